@@ -1,0 +1,29 @@
+"""floe: an open RL post-training backend. Public API only; see DESIGN.md and docs/."""
+
+from floe.client import AsyncClient, Client, connect, connect_async
+from floe.config import BackendConfig, ComputeConfig, OptimizerConfig, ReferenceConfig, SamplerConfig
+from floe.errors import FloeError, InvalidInput, StateError
+from floe.types import (
+    Batch,
+    ForwardBackwardResult,
+    ForwardResult,
+    Group,
+    Info,
+    OptimStepResult,
+    SampledGroup,
+    SampledSequence,
+    SampleResult,
+    Sample,
+    SamplingParams,
+    StateResult,
+    SyncResult,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncClient", "BackendConfig", "Batch", "Client", "ComputeConfig", "FloeError", "ForwardBackwardResult",
+    "ForwardResult", "Group", "Info", "InvalidInput", "OptimStepResult", "OptimizerConfig", "ReferenceConfig",
+    "Sample", "SampleResult", "SampledGroup", "SampledSequence", "SamplerConfig", "SamplingParams", "StateError",
+    "StateResult", "SyncResult", "connect", "connect_async",
+]

@@ -1,0 +1,161 @@
+"""The policy zone: the trainable model, its AdamW optimizer, LR schedule and step counter.
+
+`forward_backward` adds gradients (it never zeroes them); `optim_step` applies everything
+accumulated since the last step, then zeroes. Each `forward_backward` call is aggregated on
+its own: the loss's denominators (token count, sample count, norm length) are computed over
+the whole call's batch before it is cut into micro-batches, so micro-batching never changes
+the result.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers import PreTrainedModel
+
+from floe.backend.scoring import plan_batch, score_batch, score_microbatch, uses_prefix_dedup
+from floe.compute.losses import LossSpec, TokenInputs, aggregation_scales, compute_loss, finalize_metrics
+from floe.config import ComputeConfig, OptimizerConfig
+from floe.errors import StateError
+from floe.types import Batch, ForwardBackwardResult, ForwardResult, OptimStepResult
+
+
+def lr_at(step: int, cfg: OptimizerConfig) -> float:
+    """The learning rate used by optimizer step number `step` (0-based)."""
+    if cfg.schedule == "constant":
+        return cfg.lr
+    warm = cfg.warmup_steps
+    if warm and step < warm:
+        return cfg.lr * (step + 1) / warm
+    if cfg.schedule == "linear_warmup":
+        return cfg.lr
+    assert cfg.total_steps is not None
+    progress = min(1.0, (step - warm) / max(1, cfg.total_steps - warm))
+    floor = cfg.min_lr_ratio
+    return cfg.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """RL log-probs must be deterministic functions of the weights: no dropout, ever."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if isinstance(getattr(model.config, key, None), float):
+            setattr(model.config, key, 0.0)
+
+
+class PolicyZone:
+    def __init__(self, model: PreTrainedModel, optimizer: OptimizerConfig, compute: ComputeConfig):
+        self.model = model
+        self.compute = compute
+        self.optimizer_config = optimizer
+        disable_dropout(model)
+        if compute.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.train()  # HF only checkpoints in train mode; dropout is already off
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params,
+            lr=optimizer.lr,
+            betas=optimizer.betas,
+            eps=optimizer.eps,
+            weight_decay=optimizer.weight_decay,
+        )
+        self.step = 0
+        self.pending_calls = 0  # forward_backward calls since the last optim_step
+
+    @torch.no_grad()
+    def forward(self, batch: Batch, temperature: float, with_entropy: bool) -> ForwardResult:
+        return score_batch(self.model, batch, temperature, with_entropy, self.compute)
+
+    def forward_backward(self, batch: Batch, spec: LossSpec, temperature: float) -> ForwardBackwardResult:
+        device = next(self.model.parameters()).device
+        samples = [s for g in batch.groups for s in g.samples]
+        lengths = [len(s.tokens) for s in samples]
+        weight_sums = [float(sum(s.weights)) if s.weights is not None else float(len(s.tokens)) for s in samples]
+        scales = aggregation_scales(lengths, weight_sums, spec.config.aggregation, spec.config.norm_length)
+        flat_index = {}
+        k = 0
+        for gi, g in enumerate(batch.groups):
+            for si in range(len(g.samples)):
+                flat_index[(gi, si)] = k
+                k += 1
+
+        logprobs: list[list[list[float]]] = [[[] for _ in g.samples] for g in batch.groups]
+        parts_metrics = []
+        for mb in plan_batch(batch, self.compute, uses_prefix_dedup(self.model, self.compute)):
+            scored = score_microbatch(self.model, batch, mb, temperature, True, self.compute)
+            mb_samples = [(p.group, i) for p in mb.parts for i in p.samples]
+            logp = torch.cat([lp for part in scored for lp in part.logprobs])
+            entropy = torch.cat([e for part in scored for e in (part.entropy or [])])
+            inputs = _token_inputs(batch, mb_samples, [scales[flat_index[key]] for key in mb_samples], logp, entropy, spec, device)
+            loss, sums = compute_loss(spec, inputs)
+            loss.backward()
+            parts_metrics.append(sums)
+            for (gi, si), lp in zip(mb_samples, [lp for part in scored for lp in part.logprobs]):
+                logprobs[gi][si] = lp.detach().tolist()
+        self.pending_calls += 1
+        metrics = finalize_metrics(parts_metrics)
+        metrics["samples"] = float(len(samples))
+        return ForwardBackwardResult(metrics, logprobs, spec.name, spec.resolved())
+
+    def optim_step(self) -> OptimStepResult:
+        if self.pending_calls == 0:
+            raise StateError("optim_step: no forward_backward since the last step; nothing to apply")
+        max_norm = self.optimizer_config.grad_clip or float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        if not math.isfinite(grad_norm):
+            raise StateError(
+                f"optim_step: gradient norm is {grad_norm}; the step was not applied. "
+                "Inspect the last forward_backward inputs, then call zero_grad via load_state or a new step."
+            )
+        lr = lr_at(self.step, self.optimizer_config)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        applied, self.pending_calls = self.pending_calls, 0
+        self.step += 1
+        return OptimStepResult(step=self.step, lr=lr, grad_norm=grad_norm, accumulated_calls=applied)
+
+
+def _token_inputs(
+    batch: Batch,
+    mb_samples: list[tuple[int, int]],
+    sample_scales: list[float],
+    logp: torch.Tensor,
+    entropy: torch.Tensor,
+    spec: LossSpec,
+    device: torch.device,
+) -> TokenInputs:
+    """Flatten one micro-batch's samples into the tensors `compute_loss` expects."""
+    samples = [batch.groups[g].samples[i] for g, i in mb_samples]
+    lens = [len(s.tokens) for s in samples]
+
+    def flat(values: list[list[float]]) -> torch.Tensor:
+        return torch.tensor([v for vs in values for v in vs], dtype=torch.float32, device=device)
+
+    def per_token(value: float | list[float], n: int) -> list[float]:
+        return value if isinstance(value, list) else [float(value)] * n
+
+    weights = flat([s.weights if s.weights is not None else [1.0] * n for s, n in zip(samples, lens)])
+    scale = flat([[sc] * n for sc, n in zip(sample_scales, lens)])
+    index = torch.repeat_interleave(torch.arange(len(samples), device=device), torch.tensor(lens, device=device))
+    old = flat([s.logprobs for s in samples]) if all(s.logprobs is not None for s in samples) else None  # type: ignore[misc]
+    ref = flat([s.ref_logprobs for s in samples]) if all(s.ref_logprobs is not None for s in samples) else None  # type: ignore[misc]
+    adv = None
+    if spec.needs_advantages:
+        adv = flat([per_token(s.advantage, n) for s, n in zip(samples, lens)])  # type: ignore[arg-type]
+    return TokenInputs(
+        logp=logp,
+        weights=weights,
+        scale=scale,
+        sample_index=index,
+        num_samples=len(samples),
+        old_logp=old,
+        advantages=adv,
+        ref_logp=ref,
+        entropy=entropy if spec.needs_entropy_grad else entropy.detach(),
+    )

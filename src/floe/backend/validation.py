@@ -1,0 +1,132 @@
+"""Checks every request before it touches state; each failure names the field and the fix.
+
+The backend calls these first, so a rejected request leaves weights, optimizer state, step
+and version exactly as they were.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from floe.compute.losses import LossSpec
+from floe.errors import InvalidInput
+from floe.types import Batch, Group, Sample, SamplingParams
+
+
+def _check_token_list(field: str, tokens: Any, vocab_size: int) -> None:
+    if not isinstance(tokens, list):
+        raise InvalidInput(field, f"must be a list of token ids, got {type(tokens).__name__}")
+    if not tokens:
+        raise InvalidInput(field, "must not be empty")
+    if not all(type(t) is int for t in tokens):
+        bad = next(t for t in tokens if type(t) is not int)
+        raise InvalidInput(field, f"token ids must be integers, got {bad!r}")
+    lo, hi = min(tokens), max(tokens)
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise InvalidInput(field, f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
+def _check_floats(field: str, values: Any, length: int) -> None:
+    if not isinstance(values, list):
+        raise InvalidInput(field, f"must be a list of numbers, got {type(values).__name__}")
+    if len(values) != length:
+        raise InvalidInput(field, f"has {len(values)} values but the sample has {length} tokens")
+    for i, v in enumerate(values):
+        if type(v) not in (int, float) or not math.isfinite(v):
+            raise InvalidInput(f"{field}[{i}]", f"must be a finite number, got {v!r}")
+
+
+def validate_batch(
+    batch: Any, vocab_size: int, max_context: int, loss: LossSpec | None = None, where: str = "batch"
+) -> None:
+    """A batch for forward (loss=None) or forward_backward (with its resolved loss)."""
+    if not isinstance(batch, Batch):
+        raise InvalidInput(where, f"must be a floe.Batch, got {type(batch).__name__}")
+    if not isinstance(batch.groups, list) or not batch.groups:
+        raise InvalidInput(f"{where}.groups", "must be a non-empty list of floe.Group")
+    for gi, group in enumerate(batch.groups):
+        gf = f"{where}.groups[{gi}]"
+        if not isinstance(group, Group):
+            raise InvalidInput(gf, f"must be a floe.Group, got {type(group).__name__}")
+        _check_token_list(f"{gf}.prompt", group.prompt, vocab_size)
+        if not isinstance(group.samples, list) or not group.samples:
+            raise InvalidInput(f"{gf}.samples", "must be a non-empty list of floe.Sample")
+        for si, sample in enumerate(group.samples):
+            _validate_sample(f"{gf}.samples[{si}]", sample, len(group.prompt), vocab_size, max_context, loss)
+
+
+def _validate_sample(
+    sf: str, sample: Any, prompt_len: int, vocab_size: int, max_context: int, loss: LossSpec | None
+) -> None:
+    if not isinstance(sample, Sample):
+        raise InvalidInput(sf, f"must be a floe.Sample, got {type(sample).__name__}")
+    _check_token_list(f"{sf}.tokens", sample.tokens, vocab_size)
+    n = len(sample.tokens)
+    if prompt_len + n > max_context:
+        raise InvalidInput(
+            f"{sf}.tokens",
+            f"prompt ({prompt_len}) + sample ({n}) tokens exceed the model's context of {max_context}",
+        )
+    for name in ("logprobs", "weights", "ref_logprobs"):
+        value = getattr(sample, name)
+        if value is not None:
+            _check_floats(f"{sf}.{name}", value, n)
+    if sample.advantage is not None:
+        if isinstance(sample.advantage, list):
+            _check_floats(f"{sf}.advantage", sample.advantage, n)
+        elif type(sample.advantage) not in (int, float) or not math.isfinite(sample.advantage):
+            raise InvalidInput(f"{sf}.advantage", f"must be a finite number or a per-token list, got {sample.advantage!r}")
+    if loss is None:
+        return
+    if loss.needs_old_logprobs and sample.logprobs is None:
+        raise InvalidInput(f"{sf}.logprobs", f"loss {loss.name!r} needs the sampling log-probs of every token")
+    if loss.needs_advantages and sample.advantage is None:
+        raise InvalidInput(f"{sf}.advantage", f"loss {loss.name!r} needs an advantage (scalar or per token)")
+    if not loss.needs_advantages and sample.advantage is not None:
+        raise InvalidInput(
+            f"{sf}.advantage",
+            f"loss {loss.name!r} does not use advantages; drop them or choose importance_sampling/ppo",
+        )
+    if loss.needs_ref_logprobs and sample.ref_logprobs is None:
+        raise InvalidInput(
+            f"{sf}.ref_logprobs", "loss_config.kl.coef > 0 needs reference log-probs (forward with zone='reference')"
+        )
+
+
+def validate_prompts(prompts: Any, n: Any, params: Any, vocab_size: int, max_context: int) -> None:
+    if not isinstance(prompts, list) or not prompts:
+        raise InvalidInput("prompts", "must be a non-empty list of token-id lists")
+    for i, p in enumerate(prompts):
+        _check_token_list(f"prompts[{i}]", p, vocab_size)
+    if type(n) is not int or n < 1:
+        raise InvalidInput("n", f"must be an integer >= 1, got {n!r}")
+    validate_sampling_params(params, vocab_size)
+    longest = max(len(p) for p in prompts)
+    if longest + params.max_tokens > max_context:
+        raise InvalidInput(
+            "params.max_tokens",
+            f"longest prompt ({longest}) + max_tokens ({params.max_tokens}) exceeds the context of {max_context}",
+        )
+
+
+def validate_sampling_params(params: Any, vocab_size: int) -> None:
+    if not isinstance(params, SamplingParams):
+        raise InvalidInput("params", f"must be floe.SamplingParams, got {type(params).__name__}")
+    if type(params.max_tokens) is not int or params.max_tokens < 1:
+        raise InvalidInput("params.max_tokens", f"must be an integer >= 1, got {params.max_tokens!r}")
+    if type(params.temperature) not in (int, float) or not (params.temperature > 0 and math.isfinite(params.temperature)):
+        raise InvalidInput("params.temperature", f"must be a finite number > 0, got {params.temperature!r}")
+    if type(params.top_p) not in (int, float) or not 0 < params.top_p <= 1:
+        raise InvalidInput("params.top_p", f"must be in (0, 1], got {params.top_p!r}")
+    if type(params.top_k) is not int or params.top_k < 0:
+        raise InvalidInput("params.top_k", f"must be an integer >= 0 (0 = off), got {params.top_k!r}")
+    if not isinstance(params.stop_token_ids, list) or not all(
+        type(t) is int and 0 <= t < vocab_size for t in params.stop_token_ids
+    ):
+        raise InvalidInput("params.stop_token_ids", f"must be a list of token ids in [0, {vocab_size})")
+    if not isinstance(params.stop, list) or not all(isinstance(s, str) and s for s in params.stop):
+        raise InvalidInput("params.stop", "must be a list of non-empty strings")
+    if params.seed is not None and type(params.seed) is not int:
+        raise InvalidInput("params.seed", f"must be an integer or None, got {params.seed!r}")

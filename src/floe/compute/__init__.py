@@ -1,0 +1,1 @@
+"""Pure tensor math: losses, log-probs, batch layout, shared-prefix attention. No I/O, no state."""

@@ -1,0 +1,182 @@
+"""Configuration: pydantic models, TOML files with `@` overlays, dotted command-line overrides.
+
+Every config model forbids unknown keys, so a typo is an error that names the key instead of
+a silently ignored setting. `load_layers` deep-merges TOML files left to right and then applies
+`section.key=value` overrides; `parse_config` validates the result into a model.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from floe.errors import InvalidInput
+
+
+class StrictModel(BaseModel):
+    """Base for every floe config: unknown keys are errors; values are validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class OptimizerConfig(StrictModel):
+    """AdamW with gradient clipping and an LR schedule, applied by `optim_step`."""
+
+    lr: float = Field(1e-5, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float | None = Field(1.0, gt=0, description="max global grad norm; None = no clip")
+    schedule: Literal["constant", "linear_warmup", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    total_steps: int | None = Field(None, gt=0, description="needed by the cosine schedule")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine floor, as a fraction of lr")
+
+    @model_validator(mode="after")
+    def _cosine_needs_total(self) -> "OptimizerConfig":
+        if self.schedule == "cosine" and self.total_steps is None:
+            raise ValueError("schedule='cosine' needs total_steps")
+        return self
+
+
+class ComputeConfig(StrictModel):
+    """How the policy and reference zones lay out work; none of it changes the numbers."""
+
+    max_tokens_per_microbatch: int = Field(8192, gt=0)
+    logprob_chunk_tokens: int = Field(
+        1024, gt=0, description="tokens per chunk of the LM head + log-softmax; bounds extra memory"
+    )
+    prefix_dedup: Literal["auto", "on", "off"] = Field(
+        "auto", description="compute each group's prompt once (shared-prefix attention)"
+    )
+    gradient_checkpointing: bool = False
+
+
+class SamplerConfig(StrictModel):
+    """The sampler zone's generation engine."""
+
+    engine: Literal["torch"] = "torch"
+    max_batch_sequences: int = Field(256, gt=0, description="rows decoded together")
+
+
+class ReferenceConfig(StrictModel):
+    """The frozen reference zone."""
+
+    enabled: bool = True
+    checkpoint: str | None = Field(None, description="model path; default: the initial policy")
+
+
+class BackendConfig(StrictModel):
+    """Everything an embedded backend needs: `floe.connect(BackendConfig(model=...))`."""
+
+    model: str = Field(..., description="HF model directory or hub id")
+    tokenizer: str | None = Field(None, description="default: same as model")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    state_dir: str = Field("floe_state", description="where save_state/load_state keep states")
+    trust_remote_code: bool = False
+    optimizer: OptimizerConfig = OptimizerConfig()
+    compute: ComputeConfig = ComputeConfig()
+    sampler: SamplerConfig = SamplerConfig()
+    reference: ReferenceConfig = ReferenceConfig()
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """Merge `over` into a copy of `base`; nested tables merge, everything else replaces."""
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def parse_override_value(text: str) -> Any:
+    """A command-line value: TOML/JSON syntax when it parses (numbers, booleans, lists,
+    quoted strings), otherwise the bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        pass
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def apply_override(data: dict[str, Any], dotted_key: str, value: Any) -> dict[str, Any]:
+    """Return `data` with `a.b.c = value` set, creating tables on the way."""
+    parts = dotted_key.split(".")
+    if not all(parts):
+        raise InvalidInput(dotted_key, "an override key is dotted names, e.g. optimizer.lr")
+    out = dict(data)
+    node = out
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = {}
+        elif not isinstance(child, dict):
+            raise InvalidInput(dotted_key, f"'{part}' is a value, not a table")
+        node[part] = dict(child)
+        node = node[part]
+    node[parts[-1]] = value
+    return out
+
+
+def load_layers(paths: list[str | Path], overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Read TOML files, deep-merge them left to right, then apply dotted overrides.
+
+    A recipe file may also name its own base with a top-level `extends = "base.toml"` key
+    (relative to the file), merged underneath it.
+    """
+    data: dict[str, Any] = {}
+    for path in paths:
+        data = deep_merge(data, _read_toml_with_extends(Path(path), seen=()))
+    for key, value in (overrides or {}).items():
+        data = apply_override(data, key, value)
+    return data
+
+
+def _read_toml_with_extends(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
+    path = path.resolve()
+    if path in seen:
+        raise InvalidInput(str(path), "recipe 'extends' chain loops back on itself")
+    if not path.is_file():
+        raise InvalidInput(str(path), "config file not found")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise InvalidInput(str(path), f"not valid TOML: {e}") from None
+    base = data.pop("extends", None)
+    if base is None:
+        return data
+    return deep_merge(_read_toml_with_extends(path.parent / base, seen + (path,)), data)
+
+
+def parse_config(model: type[M], data: dict[str, Any], where: str = "config") -> M:
+    """Validate `data` into `model`; the first problem becomes an InvalidInput naming the key."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_to_invalid_input(e, where) from None
+
+
+def validation_to_invalid_input(error: ValidationError, where: str) -> InvalidInput:
+    first = error.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"])
+    field = f"{where}.{loc}" if loc else where
+    msg = first["msg"]
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key; check the spelling against the documented options"
+    elif first["type"] == "missing":
+        msg = "required key is missing"
+    return InvalidInput(field, msg)

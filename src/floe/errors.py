@@ -1,0 +1,27 @@
+"""floe's error types. Every input error names the offending field and says how to fix it."""
+
+from __future__ import annotations
+
+
+class FloeError(Exception):
+    """Base class of floe's own errors."""
+
+
+class InvalidInput(FloeError, ValueError):
+    """A request or config value is wrong. Raised before any state changes.
+
+    `field` is a path such as ``batch.groups[0].samples[2].logprobs`` or
+    ``loss_config.clip_low``; the message says what is wrong and what would be accepted.
+    """
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        self.message = message
+        super().__init__(f"{field}: {message}")
+
+    def to_dict(self) -> dict[str, str]:
+        return {"error": "invalid_input", "field": self.field, "message": self.message}
+
+
+class StateError(FloeError, RuntimeError):
+    """An operation is not possible in the backend's current state (e.g. unknown checkpoint)."""

@@ -1,0 +1,155 @@
+"""The data that crosses the client API: ragged, token-id based, one prompt per group.
+
+Everything here is a plain dataclass of Python lists and numbers so that every transport
+(in-process, HTTP, Ray) can carry it without pickling. A `Group` holds its prompt once and its
+n samples as they are: no padding, no n-fold copies of the prompt.
+
+Alignment convention (one for the whole project): a sample's `logprobs[t]`, `weights[t]`,
+per-token `advantage[t]` and `ref_logprobs[t]` all describe `tokens[t]`, i.e.
+log p(tokens[t] | prompt, tokens[:t]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+StopReason = Literal["stop_token", "stop_string", "length"]
+Zone = Literal["policy", "reference"]
+
+
+@dataclass
+class Sample:
+    """One response to a group's prompt, with whatever the loss needs for it."""
+
+    tokens: list[int]
+    logprobs: list[float] | None = None  # sampling-time log-probs (the "old" policy)
+    advantage: float | list[float] | None = None  # scalar, or one value per token
+    weights: list[float] | None = None  # per-token loss weights / mask; default all 1
+    ref_logprobs: list[float] | None = None  # reference-zone log-probs, for the KL term
+
+
+@dataclass
+class Group:
+    """One prompt and its samples. The prompt is stored once for all of them."""
+
+    prompt: list[int]
+    samples: list[Sample]
+
+
+@dataclass
+class Batch:
+    """The unit of `forward` and `forward_backward`: a list of groups."""
+
+    groups: list[Group]
+
+    @property
+    def num_samples(self) -> int:
+        return sum(len(g.samples) for g in self.groups)
+
+    @property
+    def num_sample_tokens(self) -> int:
+        return sum(len(s.tokens) for g in self.groups for s in g.samples)
+
+
+@dataclass
+class SamplingParams:
+    """How to sample. `top_k=0` and `top_p=1.0` switch those filters off.
+
+    Log-probs returned with samples are those of the temperature-scaled distribution before
+    top-k/top-p filtering, so they match `forward(temperature=...)` exactly.
+    """
+
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # stop strings, matched on decoded output
+    seed: int | None = None
+    stop_at_eos: bool = True  # the tokenizer's eos id counts as a stop token
+
+
+@dataclass
+class SampledSequence:
+    """One generated sample. `tokens` excludes the prompt and includes the stop token (or the
+    token that completed a stop string), so it can be fed back as a `Sample` unchanged."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: StopReason
+    weights_version: int
+
+
+@dataclass
+class SampledGroup:
+    prompt: list[int]
+    samples: list[SampledSequence]
+
+
+@dataclass
+class SampleResult:
+    groups: list[SampledGroup]
+    weights_version: int
+    num_tokens: int
+    seconds: float
+
+
+@dataclass
+class ForwardResult:
+    """Per-token log-probs (and entropies when asked), indexed [group][sample][token]."""
+
+    logprobs: list[list[list[float]]]
+    entropy: list[list[list[float]]] | None = None
+
+
+@dataclass
+class ForwardBackwardResult:
+    """Metrics of one `forward_backward` call plus the policy's log-probs of each token.
+
+    `loss_config` is the fully resolved loss configuration, defaults included, so a caller
+    can always see exactly what ran.
+    """
+
+    metrics: dict[str, float]
+    logprobs: list[list[list[float]]]
+    loss: str
+    loss_config: dict[str, Any]
+
+
+@dataclass
+class OptimStepResult:
+    step: int
+    lr: float
+    grad_norm: float
+    accumulated_calls: int  # forward_backward calls whose gradients this step applied
+
+
+@dataclass
+class SyncResult:
+    version: int
+    bytes: int
+    seconds: float
+    verified: bool
+
+
+@dataclass
+class StateResult:
+    name: str
+    path: str
+    step: int
+    version: int
+
+
+@dataclass
+class Info:
+    model: str
+    zones: list[str]
+    step: int
+    policy_version: int
+    sampler_version: int
+    vocab_size: int
+    max_context: int
+    dtype: str
+    device: str
+    capabilities: dict[str, Any] = field(default_factory=dict)
