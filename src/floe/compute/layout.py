@@ -24,7 +24,11 @@ class GroupPart:
 
 @dataclass(frozen=True)
 class MicroBatch:
+    """Group parts that run through the model together; `shared_prefix`: each part's prompt
+    is computed once for its samples (compute/prefix.py) instead of once per sample."""
+
     parts: tuple[GroupPart, ...]
+    shared_prefix: bool = False
 
     @property
     def cost(self) -> int:
@@ -59,7 +63,11 @@ def split_group(
 def plan_microbatches(
     prompt_lens: list[int], sample_lens: list[list[int]], budget: int, dedup: bool
 ) -> list[MicroBatch]:
-    """Balanced micro-batches of group parts, each within `budget` tokens where possible."""
+    """Balanced micro-batches of group parts, each within `budget` tokens where possible.
+
+    Bins: the fewest that fit (starting at ceil(total / budget)), filled largest part first
+    into the least-loaded bin (LPT), so the heaviest micro-batch is at most 4/3 of optimal.
+    """
     parts = [
         part
         for g, (p, lens) in enumerate(zip(prompt_lens, sample_lens))
@@ -84,5 +92,5 @@ def plan_microbatches(
             break
         n_bins += 1
     # Keep the original group order inside each micro-batch for readable, reproducible runs.
-    out = [MicroBatch(tuple(sorted(b, key=lambda p: (p.group, p.samples)))) for b in bins if b]
+    out = [MicroBatch(tuple(sorted(b, key=lambda p: (p.group, p.samples))), dedup) for b in bins if b]
     return sorted(out, key=lambda mb: (mb.parts[0].group, mb.parts[0].samples))

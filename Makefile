@@ -1,0 +1,15 @@
+# The README's commands. `make train` runs the main job, `make test` the test suite; both set
+# up .venv first (scripts/setup.sh), so they work on a fresh clone.
+.PHONY: setup train test bench
+
+setup:
+	@bash scripts/setup.sh
+
+train: setup
+	.venv/bin/floe train recipes/reverse_text.toml
+
+test: setup
+	.venv/bin/python -m pytest -q
+
+bench: setup
+	.venv/bin/python benchmarks/run_all.py

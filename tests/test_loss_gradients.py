@@ -1,0 +1,235 @@
+"""forward_backward gradients against a naive per-sample reference written here.
+
+The reference runs the HF model on each sample's full sequence separately, takes
+log_softmax of the temperature-scaled logits, and evaluates each loss formula of
+docs/losses.md token by token with plain Python loops. Tolerance: relative error < 1e-5 of
+the whole gradient vector (fp32).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+import floe
+from tests.conftest import backend_of
+
+LOSSES = {
+    "cross_entropy": {},
+    "importance_sampling": {},
+    "ppo": {"clip_low": 0.1, "clip_high": 0.15, "dual_clip": 2.0},
+    "cispo": {"clip_low": 0.1, "clip_high": 0.1},
+    "gspo": {"clip_low": 0.02, "clip_high": 0.03},
+}
+AGGREGATIONS = ["sum", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+TEMPERATURE = 0.9
+
+
+def make_batch(vocab: int, seed: int, with_ref: bool = True) -> floe.Batch:
+    """Two groups with ragged samples, per-token and scalar advantages, zero-weight tokens,
+    and old log-probs far enough from the current ones that every clip branch is taken."""
+    rng = random.Random(seed)
+    groups = []
+    for g, (plen, lens) in enumerate([(5, [3, 7, 4]), (9, [6, 2])]):
+        prompt = [rng.randrange(8, vocab) for _ in range(plen)]
+        samples = []
+        for i, n in enumerate(lens):
+            adv: float | list[float] = rng.uniform(-2, 2) if (g + i) % 2 else [rng.uniform(-2, 2) for _ in range(n)]
+            weights = [1.0 if rng.random() > 0.2 else 0.0 for _ in range(n)]
+            weights[0] = 1.0
+            samples.append(
+                floe.Sample(
+                    tokens=[rng.randrange(8, vocab) for _ in range(n)],
+                    logprobs=[-4.6 + rng.uniform(-0.6, 0.6) for _ in range(n)],
+                    advantage=adv,
+                    weights=weights,
+                    ref_logprobs=[-4.6 + rng.uniform(-0.5, 0.5) for _ in range(n)] if with_ref else None,
+                )
+            )
+        groups.append(floe.Group(prompt, samples))
+    return floe.Batch(groups)
+
+
+def naive_token_logprobs(model, prompt: list[int], tokens: list[int], temperature: float):
+    ids = torch.tensor([prompt + tokens])
+    logits = model(input_ids=ids).logits[0].float() / temperature
+    logsm = torch.log_softmax(logits, dim=-1)
+    out, ent = [], []
+    for t, tok in enumerate(tokens):
+        row = logsm[len(prompt) - 1 + t]
+        out.append(row[tok])
+        ent.append(-(row.exp() * row).sum())
+    return out, ent
+
+
+def naive_loss(model, batch: floe.Batch, name: str, cfg: dict, aggregation: str, kl, ent_coef, norm_length=None):
+    samples = [(g.prompt, s) for g in batch.groups for s in g.samples]
+    per_sample_sums, per_sample_wsum, lengths = [], [], []
+    lo, hi = 1 - cfg.get("clip_low", 0.2), 1 + cfg.get("clip_high", 0.2)
+    for prompt, s in samples:
+        logps, ents = naive_token_logprobs(model, prompt, s.tokens, TEMPERATURE)
+        n = len(s.tokens)
+        w = s.weights or [1.0] * n
+        adv = s.advantage if isinstance(s.advantage, list) else [s.advantage] * n
+        if name == "gspo":
+            active = [t for t in range(n) if w[t] != 0]
+            seq_ratio = torch.exp(sum(logps[t] - s.logprobs[t] for t in active) / len(active))
+        total = 0.0
+        for t in range(n):
+            lp = logps[t]
+            if name == "cross_entropy":
+                loss = -lp
+            else:
+                r = torch.exp(lp - s.logprobs[t])
+                A = adv[t]
+                if name == "importance_sampling":
+                    loss = -r * A
+                elif name == "ppo":
+                    loss = -torch.minimum(r * A, r.clamp(lo, hi) * A)
+                    if A < 0:
+                        loss = torch.minimum(loss, torch.tensor(-cfg["dual_clip"] * A))
+                elif name == "cispo":
+                    loss = -r.clamp(lo, hi).detach() * A * lp
+                elif name == "gspo":
+                    loss = -torch.minimum(seq_ratio * A, seq_ratio.clamp(lo, hi) * A)
+            if kl:
+                d = lp - s.ref_logprobs[t]
+                k = {"k1": d, "k2": 0.5 * d * d, "k3": torch.exp(-d) + d - 1}[kl[1]]
+                loss = loss + kl[0] * k
+            if ent_coef:
+                loss = loss - ent_coef * ents[t]
+            total = total + w[t] * loss
+        per_sample_sums.append(total)
+        per_sample_wsum.append(sum(w))
+        lengths.append(n)
+    N = len(samples)
+    if aggregation == "sum":
+        return sum(per_sample_sums)
+    if aggregation == "token_mean":
+        return sum(per_sample_sums) / sum(per_sample_wsum)
+    if aggregation == "seq_mean_token_mean":
+        return sum(x / w for x, w in zip(per_sample_sums, per_sample_wsum)) / N
+    return sum(per_sample_sums) / (N * (norm_length or max(lengths)))
+
+
+def flat_grads(params) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in params])
+
+
+def reference_grads(model, params, *args, **kwargs) -> tuple[torch.Tensor, float]:
+    for p in params:
+        p.grad = None
+    loss = naive_loss(model, *args, **kwargs)
+    loss.backward()
+    g = flat_grads(params).clone()
+    for p in params:
+        p.grad = None
+    return g, float(loss)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model, tmp_path_factory):
+    # Small micro-batches so the batch is split, groups included: exercises exact aggregation.
+    cfg = floe.BackendConfig(
+        model=str(tiny_model), state_dir=str(tmp_path_factory.mktemp("s")),
+        compute=floe.ComputeConfig(max_tokens_per_microbatch=24),
+    )
+    c = floe.connect(cfg)
+    yield c
+    c.close()
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_gradients_match_naive_reference(client, loss, aggregation):
+    backend = backend_of(client)
+    model, params = backend.policy.model, backend.policy.params
+    batch = make_batch(backend.vocab_size, seed=hash((loss, aggregation)) % 1000)
+    if loss == "cross_entropy":
+        for g in batch.groups:
+            for s in g.samples:
+                s.advantage = None
+    cfg = dict(LOSSES[loss], aggregation=aggregation)
+    expected, expected_loss = reference_grads(model, params, batch, loss, LOSSES[loss], aggregation, None, 0.0)
+    result = client.forward_backward(batch, loss, cfg, temperature=TEMPERATURE)
+    got = flat_grads(params).clone()
+    for p in params:  # discard: this test only compares gradients
+        p.grad = None
+    backend.policy.pending_calls = 0
+    assert rel_err(got, expected) < 1e-5
+    assert math.isclose(result.metrics["loss"], expected_loss, rel_tol=1e-5, abs_tol=1e-6)
+    assert result.loss_config["aggregation"] == aggregation
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_and_entropy_terms_match_reference(client, estimator):
+    backend = backend_of(client)
+    model, params = backend.policy.model, backend.policy.params
+    batch = make_batch(backend.vocab_size, seed=7)
+    cfg = {"kl": {"coef": 0.3, "estimator": estimator}, "entropy": {"coef": 0.05}, "aggregation": "token_mean"}
+    expected, _ = reference_grads(model, params, batch, "ppo", {"dual_clip": 3.0}, "token_mean", (0.3, estimator), 0.05)
+    client.forward_backward(batch, "ppo", dict(cfg, dual_clip=3.0), temperature=TEMPERATURE)
+    got = flat_grads(params).clone()
+    for p in params:
+        p.grad = None
+    backend.policy.pending_calls = 0
+    assert rel_err(got, expected) < 1e-5
+
+
+def test_norm_length_override(client):
+    backend = backend_of(client)
+    model, params = backend.policy.model, backend.policy.params
+    batch = make_batch(backend.vocab_size, seed=3)
+    expected, _ = reference_grads(model, params, batch, "importance_sampling", {}, "seq_mean_token_sum_norm", None, 0.0, norm_length=50)
+    client.forward_backward(batch, "importance_sampling", {"aggregation": "seq_mean_token_sum_norm", "norm_length": 50}, temperature=TEMPERATURE)
+    got = flat_grads(params).clone()
+    for p in params:
+        p.grad = None
+    backend.policy.pending_calls = 0
+    assert rel_err(got, expected) < 1e-5
+
+
+def test_gradients_accumulate_across_calls(client):
+    """Two forward_backward calls with `sum` aggregation add up to one call on both batches."""
+    backend = backend_of(client)
+    params = backend.policy.params
+    a, b = make_batch(backend.vocab_size, 11), make_batch(backend.vocab_size, 12)
+    client.forward_backward(floe.Batch(a.groups + b.groups), "ppo", {"aggregation": "sum"})
+    together = flat_grads(params).clone()
+    for p in params:
+        p.grad = None
+    client.forward_backward(a, "ppo", {"aggregation": "sum"})
+    client.forward_backward(b, "ppo", {"aggregation": "sum"})
+    separate = flat_grads(params).clone()
+    assert backend.policy.pending_calls == 3
+    for p in params:
+        p.grad = None
+    backend.policy.pending_calls = 0
+    assert rel_err(separate, together) < 1e-5
+
+
+def test_metrics_report_clipping_and_ratios(client):
+    backend = backend_of(client)
+    batch = make_batch(backend.vocab_size, seed=5)
+    res = client.forward_backward(batch, "ppo", {"clip_low": 0.01, "clip_high": 0.01})
+    for p in backend.policy.params:
+        p.grad = None
+    backend.policy.pending_calls = 0
+    m = res.metrics
+    assert 0 < m["clip_fraction"] <= 1
+    assert m["ratio_min"] <= m["ratio_mean"] <= m["ratio_max"]
+    assert m["tokens"] == sum(sum(1 for w in s.weights if w) for g in batch.groups for s in g.samples)
+    assert m["entropy"] > 0 and m["approx_kl_sampler"] >= 0 and m["kl_ref"] >= 0
+    assert res.loss_config["clip_low"] == 0.01 and res.loss_config["dual_clip"] is None
+    # The returned log-probs are the policy's, aligned with each sample's tokens.
+    fwd = client.forward(batch)
+    for g_res, g_fwd in zip(res.logprobs, fwd.logprobs):
+        for a, b in zip(g_res, g_fwd):
+            assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < 1e-5

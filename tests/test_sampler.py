@@ -1,0 +1,114 @@
+"""Sampler zone: log-prob consistency with the policy, seeds, stop conditions, versions."""
+
+from __future__ import annotations
+
+import floe
+from tests.conftest import backend_of
+
+
+def _train_a_little(client: floe.Client, tok) -> None:
+    """Move the policy away from the sampler's initial weights."""
+    prompt = tok.encode("abc")
+    batch = floe.Batch([floe.Group(prompt, [floe.Sample(tok.encode("xyz"))])])
+    client.forward_backward(batch, "cross_entropy")
+    client.optim_step()
+
+
+def test_sampler_logprobs_match_policy_after_sync(make_client):
+    client = make_client(optimizer={"lr": 1e-2})
+    tok = client.tokenizer()
+    _train_a_little(client, tok)
+    before = client.sample([tok.encode("hello")], n=2, params=floe.SamplingParams(max_tokens=8, seed=0))
+    sync = client.sync_weights()
+    assert sync.version == 1 and sync.verified and sync.bytes > 0
+    prompts = [tok.encode("hello there"), tok.encode("ab"), tok.encode("a much longer prompt here")]
+    for temperature in (1.0, 0.7):
+        out = client.sample(prompts, n=3, params=floe.SamplingParams(max_tokens=16, temperature=temperature, seed=1))
+        batch = floe.Batch([floe.Group(g.prompt, [floe.Sample(s.tokens) for s in g.samples]) for g in out.groups])
+        fwd = client.forward(batch, temperature=temperature)
+        diffs = [
+            abs(a - b)
+            for g, fg in zip(out.groups, fwd.logprobs)
+            for s, fs in zip(g.samples, fg)
+            for a, b in zip(s.logprobs, fs)
+        ]
+        assert len(diffs) == out.num_tokens > 0
+        assert max(diffs) < 1e-4
+        assert all(s.weights_version == 1 for g in out.groups for s in g.samples)
+    assert all(s.weights_version == 0 for g in before.groups for s in g.samples)
+
+
+def test_stale_sampler_differs_from_policy(make_client):
+    """Without sync the sampler keeps the old weights: its log-probs differ from the policy's."""
+    client = make_client(optimizer={"lr": 1e-2})
+    tok = client.tokenizer()
+    _train_a_little(client, tok)
+    out = client.sample([tok.encode("hello")], n=2, params=floe.SamplingParams(max_tokens=12, seed=2))
+    batch = floe.Batch([floe.Group(g.prompt, [floe.Sample(s.tokens) for s in g.samples]) for g in out.groups])
+    fwd = client.forward(batch)
+    diffs = [abs(a - b) for s, fs in zip(out.groups[0].samples, fwd.logprobs[0]) for a, b in zip(s.logprobs, fs)]
+    assert max(diffs) > 1e-3
+
+
+def test_seeded_sampling_is_reproducible(make_client):
+    client = make_client()
+    tok = client.tokenizer()
+    params = floe.SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, top_k=50, seed=123)
+    prompts = [tok.encode("seed test"), tok.encode("x")]
+    a = client.sample(prompts, n=4, params=params)
+    b = client.sample(prompts, n=4, params=params)
+    c = client.sample(prompts, n=4, params=floe.SamplingParams(max_tokens=20, seed=124))
+    toks = lambda r: [[s.tokens for s in g.samples] for g in r.groups]  # noqa: E731
+    assert toks(a) == toks(b)
+    assert toks(a) != toks(c)
+    # Samples within a group differ (they are independent draws sharing one prefill).
+    assert len({tuple(s.tokens) for s in a.groups[0].samples}) > 1
+
+
+def test_max_tokens_stop_tokens_and_stop_strings(make_client):
+    client = make_client()
+    tok = client.tokenizer()
+    prompt = tok.encode("stop test")
+    out = client.sample([prompt], n=6, params=floe.SamplingParams(max_tokens=7, seed=3, stop_at_eos=False))
+    for s in out.groups[0].samples:
+        assert len(s.tokens) == 7 and s.stop_reason == "length"
+    # Stop on any of a few frequent tokens: every sample ends exactly at its first one.
+    first = out.groups[0].samples[0].tokens
+    stops = sorted(set(first[:3]))
+    out = client.sample([prompt], n=6, params=floe.SamplingParams(max_tokens=40, seed=3, stop_token_ids=stops, stop_at_eos=False))
+    for s in out.groups[0].samples:
+        hits = [i for i, t in enumerate(s.tokens) if t in stops]
+        if s.stop_reason == "stop_token":
+            assert hits == [len(s.tokens) - 1]
+        else:
+            assert s.stop_reason == "length" and not hits and len(s.tokens) == 40
+    assert any(s.stop_reason == "stop_token" for s in out.groups[0].samples)
+    # Stop strings are matched on decoded text; generation ends at the token completing it.
+    letters = [tok.decode([t]) for t in first[:2]]
+    stop_string = letters[0]
+    out = client.sample([prompt], n=6, params=floe.SamplingParams(max_tokens=40, seed=3, stop=[stop_string], stop_at_eos=False))
+    for s in out.groups[0].samples:
+        text = tok.decode(s.tokens)
+        if s.stop_reason == "stop_string":
+            assert text.endswith(stop_string) and stop_string not in text[: -len(stop_string)]
+        else:
+            assert stop_string not in text
+    assert any(s.stop_reason == "stop_string" for s in out.groups[0].samples)
+
+
+def test_top_k_one_is_greedy(make_client):
+    client = make_client()
+    tok = client.tokenizer()
+    prompt = tok.encode("greedy")
+    out = client.sample([prompt], n=3, params=floe.SamplingParams(max_tokens=10, top_k=1, seed=9, stop_at_eos=False))
+    seqs = {tuple(s.tokens) for s in out.groups[0].samples}
+    assert len(seqs) == 1
+    model = backend_of(client).sampler.model
+    import torch
+
+    ids = list(prompt)
+    for t in out.groups[0].samples[0].tokens:
+        with torch.no_grad():
+            nxt = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+        assert nxt == t
+        ids.append(t)
