@@ -1,13 +1,14 @@
 """The Backend: owns the policy, sampler and reference zones and routes every operation.
 
 It validates each request completely before any zone runs (so a rejected request changes
-nothing), runs operations one at a time under a lock (callers see a single, ordered history),
-and keeps the weight versions: the policy's step counts optimizer steps, the sampler's version
+nothing), serialises operations per zone (sampling may overlap training, which is what
+asynchronous RL needs; a sync or a state load holds both zones), and keeps the weight versions: the policy's step counts optimizer steps, the sampler's version
 counts syncs, and every sample carries the sampler version that produced it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 from pathlib import Path
@@ -76,13 +77,25 @@ class Backend:
         self.vocab_size = int(policy_model.config.vocab_size)
         self.max_context = int(getattr(policy_model.config, "max_position_embeddings", 2**31))
         self.state_dir = Path(config.state_dir)
-        self._lock = threading.RLock()
+        self._policy_lock = threading.RLock()
+        self._sampler_lock = threading.RLock()
+        self._reference_lock = threading.RLock()
+
+    @contextlib.contextmanager
+    def _holding(self, *zones: str):
+        """Hold the named zones' locks, always acquired in the order policy, sampler, reference."""
+        locks = {"policy": self._policy_lock, "sampler": self._sampler_lock, "reference": self._reference_lock}
+        with contextlib.ExitStack() as stack:
+            for name in ("policy", "sampler", "reference"):
+                if name in zones:
+                    stack.enter_context(locks[name])
+            yield
 
     # -- operations -----------------------------------------------------------------------
 
     def sample(self, prompts: list[list[int]], n: int = 1, params: SamplingParams | None = None) -> SampleResult:
         params = params if params is not None else SamplingParams()
-        with self._lock:
+        with self._holding("sampler"):
             validate_prompts(prompts, n, params, self.vocab_size, self.max_context)
             return self.sampler.sample(prompts, n, params)
 
@@ -90,7 +103,7 @@ class Backend:
         self, batch: Batch, zone: str = "policy", temperature: float = 1.0, with_entropy: bool = False
     ) -> ForwardResult:
         batch = as_batch(batch)
-        with self._lock:
+        with self._holding("reference" if zone == "reference" else "policy"):
             temperature = _check_temperature(temperature)
             validate_batch(batch, self.vocab_size, self.max_context)
             if zone == "policy":
@@ -109,18 +122,18 @@ class Backend:
         temperature: float = 1.0,
     ) -> ForwardBackwardResult:
         batch = as_batch(batch)
-        with self._lock:
+        with self._holding("policy"):
             temperature = _check_temperature(temperature)
             spec = resolve_loss(loss, loss_config)
             validate_batch(batch, self.vocab_size, self.max_context, spec)
             return self.policy.forward_backward(batch, spec, temperature)
 
     def optim_step(self) -> OptimStepResult:
-        with self._lock:
+        with self._holding("policy"):
             return self.policy.optim_step()
 
     def sync_weights(self) -> SyncResult:
-        with self._lock:
+        with self._holding("policy", "sampler"):
             report = copy_weights(self.policy.model, self.sampler.model)
             if not report.verified:
                 raise StateError(f"sync_weights: fingerprints differ after copy for {list(report.mismatched)[:5]}")
@@ -128,7 +141,7 @@ class Backend:
             return SyncResult(self.sampler.version, report.bytes, report.seconds, report.verified)
 
     def save_state(self, name: str) -> StateResult:
-        with self._lock:
+        with self._holding("policy", "sampler"):
             name = check_state_name(name)
             if self.policy.pending_calls:
                 raise StateError(
@@ -145,7 +158,7 @@ class Backend:
     def load_state(self, name: str) -> StateResult:
         """Restore a saved state. The sampler gets the restored policy weights and the saved
         version; gradients not yet applied are discarded."""
-        with self._lock:
+        with self._holding("policy", "sampler"):
             name = check_state_name(name)
             path = self.state_dir / name
             loaded = read_state(path, self.policy.model, self.policy.optimizer)
@@ -168,7 +181,7 @@ class Backend:
 
     def export_hf(self, path: str) -> str:
         """Write the policy as an ordinary HF model directory (weights + config + tokenizer)."""
-        with self._lock:
+        with self._holding("policy"):
             if not isinstance(path, str) or not path:
                 raise InvalidInput("path", "must be a non-empty directory path")
             target = Path(path)
@@ -178,7 +191,7 @@ class Backend:
             return str(target)
 
     def info(self) -> Info:
-        with self._lock:
+        with self._holding("policy", "sampler"):
             p = next(self.policy.model.parameters())
             return Info(
                 model=self.config.model,

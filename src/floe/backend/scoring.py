@@ -1,27 +1,46 @@
 """Running a causal LM over ragged groups to get per-token log-probs of their samples.
 
-Shared by the policy zone (with autograd) and the reference zone (without). Each group part
-becomes rows `prompt + sample[:-1]`; the LM head runs only on scored positions (the last
-prompt position and the sample's own positions), through `compute.logprobs`, so the full
-logits tensor never exists. Right padding is safe without an attention mask: under causal
-attention a position never sees the padding after it.
+Shared by the policy zone (with autograd) and the reference zone (without). A micro-batch of
+group parts runs in one of three layouts, all giving the same numbers:
+
+* `shared_prefix`: one packed stream per micro-batch in which each part's prompt appears
+  once and its samples attend to it (compute/prefix.py). The default where supported and
+  where the cost model says it pays (`ComputeConfig.prefix_dedup`).
+* `packed`: the same stream without dedup, one `prompt + sample` run per sample and no
+  padding (used by benchmarks to separate de-padding from dedup gains).
+* `padded`: one right-padded row `prompt + sample[:-1]` per sample. Right padding is safe
+  without an attention mask: under causal attention a position never sees the padding after
+  it. Works for every causal LM; the fallback.
+
+In every layout the LM head runs only on scored positions (the last prompt position, which
+predicts each sample's first token, and the sample's own positions) through
+`compute.logprobs`, so full [tokens x vocab] logits never exist.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
-from floe.compute.layout import MicroBatch, plan_microbatches
+from floe.compute import prefix
+from floe.compute.layout import Layout, MicroBatch, plan_microbatches
 from floe.compute.logprobs import token_logprobs
 from floe.config import ComputeConfig
 from floe.types import Batch, ForwardResult
 
+logger = logging.getLogger("floe")
+
+Parts = list[tuple[list[int], list[list[int]]]]  # [(prompt, [sample tokens, ...]), ...]
+
 # Config attributes of models whose logits are not a plain linear head over the last hidden
 # state; those go through the model's own forward instead.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+# Auto mode takes the shared-prefix layout only when the cost model predicts at least this
+# speedup, so that model error never makes it slower than the padded path.
+_AUTO_MIN_SPEEDUP = 1.1
 
 
 @dataclass
@@ -37,49 +56,82 @@ def has_plain_lm_head(model: PreTrainedModel) -> bool:
     return all(getattr(cfg, name, None) in (None, 1.0) for name in _LOGIT_TRANSFORMS)
 
 
-def score_rows(
+def _targets(parts: Parts, device: torch.device) -> torch.Tensor:
+    return torch.tensor([t for _, samples in parts for s in samples for t in s], dtype=torch.long, device=device)
+
+
+def _padded_inputs(parts: Parts, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded rows [B, W] and the flat indices of their scored positions."""
+    rows = [prompt + tokens[:-1] for prompt, samples in parts for tokens in samples]
+    spans = [(len(prompt) - 1, len(tokens)) for prompt, samples in parts for tokens in samples]
+    width = max(len(r) for r in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    positions = [i * width + start + k for i, (start, n) in enumerate(spans) for k in range(n)]
+    return ids.to(device), torch.tensor(positions, dtype=torch.long, device=device)
+
+
+def _stream_inputs(
+    parts: Parts, dedup: bool, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, prefix.StreamLayout]:
+    """Stream token ids [T], flat indices of scored positions, and the stream layout."""
+    stream_parts = parts if dedup else [(prompt, [s]) for prompt, samples in parts for s in samples]
+    ids: list[int] = []
+    scored: list[int] = []
+    for prompt, samples in stream_parts:
+        last_prompt = len(ids) + len(prompt) - 1
+        ids.extend(prompt)
+        for tokens in samples:
+            scored.append(last_prompt)
+            scored.extend(range(len(ids), len(ids) + len(tokens) - 1))
+            ids.extend(tokens[:-1])
+    layout = prefix.build_stream([(len(p), [len(s) - 1 for s in ss]) for p, ss in stream_parts], device)
+    return (
+        torch.tensor(ids, dtype=torch.long, device=device),
+        torch.tensor(scored, dtype=torch.long, device=device),
+        layout,
+    )
+
+
+def score_parts(
     model: PreTrainedModel,
-    parts: list[tuple[list[int], list[list[int]]]],
+    parts: Parts,
     temperature: float,
     with_entropy: bool,
     chunk_tokens: int,
+    layout: Layout = "padded",
 ) -> list[ScoredPart]:
-    """Plain path: one padded row per sample. `parts` = [(prompt, [sample tokens, ...]), ...]."""
-    device = next(model.parameters()).device
-    rows: list[list[int]] = []
-    spans: list[tuple[int, int]] = []  # (first scored position, number of tokens) per row
-    for prompt, samples in parts:
-        for tokens in samples:
-            rows.append(prompt + tokens[:-1])
-            spans.append((len(prompt) - 1, len(tokens)))
-    width = max(len(r) for r in rows)
-    ids = torch.zeros((len(rows), width), dtype=torch.long, device=device)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-    flat_positions = torch.cat(
-        [torch.arange(start, start + n, device=device) + i * width for i, (start, n) in enumerate(spans)]
-    )
-    targets = torch.tensor([t for _, samples in parts for s in samples for t in s], dtype=torch.long, device=device)
+    """Log-probs (and entropies) of every sample of `parts`, run in the given layout.
 
-    if has_plain_lm_head(model):
-        hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
-        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat_positions)
-        head = model.get_output_embeddings()
-        logp, ent = token_logprobs(
-            hidden, head.weight, head.bias, targets, temperature, with_entropy, chunk_tokens
-        )
-    else:
+    The stream layouts need `prefix.install(model)` and a supported model
+    (`uses_prefix_dedup`); `padded` works for every causal LM.
+    """
+    device = next(model.parameters()).device
+    targets = _targets(parts, device)
+    if layout == "padded" and not has_plain_lm_head(model):
+        ids, positions = _padded_inputs(parts, device)
         logits = model(input_ids=ids, use_cache=False).logits.float() / temperature
-        logits = logits.reshape(-1, logits.shape[-1]).index_select(0, flat_positions)
+        logits = logits.reshape(-1, logits.shape[-1]).index_select(0, positions)
         logsm = torch.log_softmax(logits, dim=-1)
         logp = logsm.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         ent = -(logsm.exp() * logsm).sum(-1) if with_entropy else None
+        return _split_by_part(parts, logp, ent)
+    if layout == "padded":
+        ids, positions = _padded_inputs(parts, device)
+        hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+    else:
+        ids, positions, stream = _stream_inputs(parts, layout == "shared_prefix", device)
+        hidden = prefix.stream_forward(model, ids, stream)
+    head = model.get_output_embeddings()
+    logp, ent = token_logprobs(
+        hidden.index_select(0, positions), head.weight, head.bias, targets, temperature, with_entropy, chunk_tokens
+    )
     return _split_by_part(parts, logp, ent)
 
 
-def _split_by_part(
-    parts: list[tuple[list[int], list[list[int]]]], logp: torch.Tensor, ent: torch.Tensor | None
-) -> list[ScoredPart]:
+def _split_by_part(parts: Parts, logp: torch.Tensor, ent: torch.Tensor | None) -> list[ScoredPart]:
     sizes = [len(s) for _, samples in parts for s in samples]
     lp_list = list(torch.split(logp, sizes))
     ent_list = list(torch.split(ent, sizes)) if ent is not None else None
@@ -91,18 +143,69 @@ def _split_by_part(
     return out
 
 
-def plan_batch(batch: Batch, compute: ComputeConfig, dedup: bool) -> list[MicroBatch]:
-    return plan_microbatches(
-        [len(g.prompt) for g in batch.groups],
-        [[len(s.tokens) for s in g.samples] for g in batch.groups],
-        compute.max_tokens_per_microbatch,
-        dedup,
-    )
-
-
 def uses_prefix_dedup(model: PreTrainedModel, compute: ComputeConfig) -> bool:
-    """Whether the shared-prefix path runs for this model (see compute/prefix.py)."""
-    return False
+    """Whether the shared-prefix layout may run for this model (installing it if so).
+
+    False when `prefix_dedup="off"`, or when the model is not supported; the latter is
+    logged once per model (a warning when dedup was asked for with "on").
+    """
+    if compute.prefix_dedup == "off":
+        return False
+    reason = prefix.unsupported_reason(model)
+    if reason is None and not has_plain_lm_head(model):
+        reason = "its logits are not a plain linear head"
+    if reason is not None:
+        if not getattr(model, "_floe_prefix_fallback_logged", False):
+            level = logging.WARNING if compute.prefix_dedup == "on" else logging.INFO
+            logger.log(level, "prompt dedup off for this model, using the padded path: %s", reason)
+            model._floe_prefix_fallback_logged = True  # type: ignore[attr-defined]
+        return False
+    prefix.install(model)
+    return True
+
+
+def _cost_model(model: PreTrainedModel | None) -> prefix.CostModel:
+    if model is None:
+        return prefix.CostModel.generic()
+    cached = getattr(model, "_floe_cost_model", None)
+    if cached is None:
+        cached = prefix.CostModel.from_model(model)
+        model._floe_cost_model = cached  # type: ignore[attr-defined]
+    return cached
+
+
+def _plan_cost(batch: Batch, plan: list[MicroBatch], costs: prefix.CostModel) -> float:
+    total = 0.0
+    for mb in plan:
+        prompts = [len(batch.groups[p.group].prompt) for p in mb.parts]
+        samples = [[len(batch.groups[p.group].samples[i].tokens) for i in p.samples] for p in mb.parts]
+        estimate = costs.shared_prefix if mb.layout == "shared_prefix" else costs.padded
+        total += estimate(prompts, samples)
+    return total
+
+
+def plan_batch(
+    batch: Batch, compute: ComputeConfig, dedup: bool, model: PreTrainedModel | None = None
+) -> list[MicroBatch]:
+    """Micro-batches for `batch`; `dedup` = the shared-prefix layout is allowed.
+
+    With `prefix_dedup="auto"` the shared-prefix plan is taken only where the cost model of
+    `model` (a generic ~2B-dense one when not given) predicts it pays (`_AUTO_MIN_SPEEDUP`);
+    "on" always takes it when allowed.
+    """
+    prompt_lens = [len(g.prompt) for g in batch.groups]
+    sample_lens = [[len(s.tokens) for s in g.samples] for g in batch.groups]
+    budget = compute.max_tokens_per_microbatch
+    padded = plan_microbatches(prompt_lens, sample_lens, budget, "padded")
+    if not dedup:
+        return padded
+    shared = plan_microbatches(prompt_lens, sample_lens, budget, "shared_prefix")
+    if compute.prefix_dedup == "on":
+        return shared
+    costs = _cost_model(model)
+    if _plan_cost(batch, padded, costs) >= _AUTO_MIN_SPEEDUP * _plan_cost(batch, shared, costs):
+        return shared
+    return padded
 
 
 def score_microbatch(
@@ -117,7 +220,7 @@ def score_microbatch(
         (batch.groups[p.group].prompt, [batch.groups[p.group].samples[i].tokens for i in p.samples])
         for p in mb.parts
     ]
-    return score_rows(model, parts, temperature, with_entropy, compute.logprob_chunk_tokens)
+    return score_parts(model, parts, temperature, with_entropy, compute.logprob_chunk_tokens, mb.layout)
 
 
 def score_batch(
@@ -126,7 +229,7 @@ def score_batch(
     """Log-probs (and entropies) of every sample token, without gradients."""
     logprobs: list[list[list[float]]] = [[[] for _ in g.samples] for g in batch.groups]
     entropy = [[[] for _ in g.samples] for g in batch.groups] if with_entropy else None
-    for mb in plan_batch(batch, compute, uses_prefix_dedup(model, compute)):
+    for mb in plan_batch(batch, compute, uses_prefix_dedup(model, compute), model):
         scored = score_microbatch(model, batch, mb, temperature, with_entropy, compute)
         for part, result in zip(mb.parts, scored):
             for k, i in enumerate(part.samples):

@@ -48,6 +48,8 @@ LAST_NAMES = (
     "Usman", "Varga", "Weber", "Xu", "Yilmaz", "Zhang",
 )
 
+ALL_NAMES = tuple(first + last for first in FIRST_NAMES for last in LAST_NAMES)
+
 
 class AlphabetSortOptions(FamilyOptions):
     """Options of the alphabet_sort family."""
@@ -69,6 +71,11 @@ class AlphabetSortOptions(FamilyOptions):
             raise ValueError(
                 f"min_names_per_turn ({self.min_names_per_turn}) must be <= "
                 f"max_names_per_turn ({self.max_names_per_turn})"
+            )
+        if self.data_path is None and self.max_turns * self.max_names_per_turn > len(ALL_NAMES):
+            raise ValueError(
+                f"max_turns * max_names_per_turn ({self.max_turns * self.max_names_per_turn}) exceeds "
+                f"the {len(ALL_NAMES)} shipped names"
             )
         return self
 
@@ -178,12 +185,8 @@ class AlphabetSortFamily(EnvFamily):
         return AlphabetSortEnv(task.data["turns"], task.data["sort_by"], self.options.similarity_power)
 
     def _draw(self, rng: random.Random) -> tuple[str, dict]:
-        pool = [first + last for first in FIRST_NAMES for last in LAST_NAMES]
-        data = self._episode(rng, pool, from_start=False)
-        if data is None:
-            raise ValueError(
-                f"{NAME}: max_turns * max_names_per_turn exceeds the {len(pool)} shipped names"
-            )
+        data = self._episode(rng, list(ALL_NAMES), from_start=False)
+        assert data is not None, "options validation bounds the names an episode needs"
         return _key(data), data
 
     def _episode(self, rng: random.Random, pool: list[str], from_start: bool) -> dict | None:

@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 from floe.envs.alphabet_sort import FIRST_NAMES, LAST_NAMES
 
@@ -199,6 +200,7 @@ def ensure_database(schema: str, seed: int, db_dir: Path) -> Path:
                     )
         finally:
             conn.close()
+        os.chmod(tmp_name, 0o644)  # mkstemp makes it 0600; the database is not a secret
         os.replace(tmp_name, path)  # atomic: readers see no file or the whole file
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
@@ -208,7 +210,7 @@ def ensure_database(schema: str, seed: int, db_dir: Path) -> Path:
 
 def read_schema_ddl(path: Path) -> str:
     """The CREATE statements of the database at ``path`` (from sqlite_master), one per paragraph."""
-    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    conn = sqlite3.connect(f"file:{quote(str(path.resolve()))}?mode=ro", uri=True)
     try:
         found = conn.execute(
             "SELECT sql FROM sqlite_master WHERE type = 'table' AND sql IS NOT NULL ORDER BY name"

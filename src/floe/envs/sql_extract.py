@@ -7,8 +7,8 @@ tries, in order:
 2. the last generic ```` ``` ```` block (no language tag, or a tag other than sql/json) whose
    content contains ``SELECT`` (case-insensitive); a one-word language tag line is dropped;
 3. the last ```` ```json ```` block that parses to an object with a string ``"sql"`` field;
-4. a raw statement: from the first word ``SELECT`` up to the first ``;``, ``</answer>``,
-   ```` ``` ```` or the end of the text.
+4. a raw statement outside fenced blocks: from the first word ``SELECT`` up to the first
+   ``;``, ``</answer>`` or the end of the text.
 
 The format is correct when SQL was extracted and the text holds exactly one ``<think>`` and
 exactly one ``</think>``, in that order.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 
-_SQL_BLOCK = re.compile(r"```sql(.*?)```", re.DOTALL | re.IGNORECASE)
+_SQL_BLOCK = re.compile(r"```sql(?!\w)(.*?)```", re.DOTALL | re.IGNORECASE)  # not ```sqlite
 _ANY_BLOCK = re.compile(r"```(.*?)```", re.DOTALL)
 _JSON_BLOCK = re.compile(r"```json(.*?)```", re.DOTALL | re.IGNORECASE)
 _LANG_LINE = re.compile(r"^[A-Za-z0-9_+-]*[ \t]*(?:\n|$)")
@@ -55,7 +55,8 @@ def extract_sql(text: str) -> str | None:
             continue
         if isinstance(parsed, dict) and isinstance(parsed.get("sql"), str) and parsed["sql"].strip():
             return parsed["sql"].strip()
-    raw = _RAW_SELECT.search(region)
+    # Fenced blocks were all tried above; a raw statement is one outside them.
+    raw = _RAW_SELECT.search(_ANY_BLOCK.sub(" ", region))
     return raw.group(0).strip() if raw else None
 
 

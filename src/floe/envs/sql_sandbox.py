@@ -67,7 +67,7 @@ def _authorize(action: int, arg1: str | None, arg2: str | None, db_name: str | N
 def run_readonly(db_path: str, sql: str, timeout_s: float, row_cap: int) -> tuple[str, list[tuple], str]:
     """Run ``sql`` on ``db_path`` with every in-process guard; returns (status, rows, message).
 
-    Runs inside the worker process (it is also safe, minus the kill backstop, in-process).
+    Meant for the worker process: it sets SQLite's process-wide heap limit.
     """
     deadline = time.monotonic() + timeout_s
     uri = f"file:{quote(os.path.abspath(db_path))}?mode=ro"
@@ -98,20 +98,33 @@ def run_readonly(db_path: str, sql: str, timeout_s: float, row_cap: int) -> tupl
         conn.close()
 
 
+def default_start_method() -> str:
+    """"fork" where the OS has it, else "spawn".
+
+    fork starts a worker in milliseconds and never re-imports the caller's ``__main__`` (spawn and
+    forkserver do, which breaks scripts without a main guard, stdin scripts and some notebooks).
+    The worker only runs SQLite, and a worker that a fork left wedged is caught by the backstop.
+    """
+    return "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+
+
 class SqlRunner:
     """Owns the worker pool that runs sandboxed queries; created lazily, reused, replaced when killed.
 
-    Thread-safe: concurrent ``run`` calls share the pool (``workers`` processes).
+    Thread-safe: concurrent ``run`` calls share the pool (``workers`` processes); callers beyond
+    ``workers`` wait their turn before their query's clock starts.
     """
 
-    def __init__(self, workers: int = 1, start_method: str = "spawn") -> None:
+    def __init__(self, workers: int = 1, start_method: str | None = None) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1; got {workers}")
         self.workers = workers
-        # spawn: the worker starts clean (no inherited threads, CUDA state or open handles).
-        self._context = multiprocessing.get_context(start_method)
+        self._context = multiprocessing.get_context(start_method or default_start_method())
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
+        # At most one query per worker in flight: a query that waited in the pool's queue behind
+        # others would otherwise run out its backstop and get a healthy pool killed.
+        self._slots = threading.BoundedSemaphore(workers)
 
     def run(self, db_path: str, sql: str, timeout_s: float, row_cap: int, wait_s: float | None = None) -> QueryResult:
         """Run ``sql`` in a worker; give up (killing the pool) after ``wait_s``.
@@ -119,6 +132,10 @@ class SqlRunner:
         ``wait_s`` defaults to ``timeout_s + BACKSTOP_GRACE_S``.
         """
         wait = timeout_s + BACKSTOP_GRACE_S if wait_s is None else wait_s
+        with self._slots:
+            return self._run(db_path, sql, timeout_s, row_cap, wait)
+
+    def _run(self, db_path: str, sql: str, timeout_s: float, row_cap: int, wait: float) -> QueryResult:
         # One retry: another thread's kill may break the pool under a query that was healthy.
         for attempt in range(2):
             pool = self._get_pool()

@@ -1,0 +1,193 @@
+"""The `floe` command: train | sft | eval | serve | plot.
+
+Recipes are TOML files; more files can be layered with `@ OVERLAY.toml` and single keys set
+with `--section.key value` (TOML syntax for the value). Unknown keys are errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from floe.config import load_layers, parse_config, parse_override_value
+from floe.errors import InvalidInput
+
+USAGE_RECIPE = """recipe arguments:
+  RECIPE.toml [@ OVERLAY.toml ...] [--section.key VALUE ...]
+  Layers merge left to right, then overrides apply, e.g.
+    floe train recipes/reverse_text.toml @ recipes/overlays/async.toml --train.steps 20
+  Every key is documented in docs/recipes.md; an unknown key is an error."""
+
+
+def split_recipe_args(args: list[str]) -> tuple[list[str], dict[str, Any], list[str]]:
+    """(TOML files, dotted overrides, remaining flags) from the raw argument list."""
+    files: list[str] = []
+    overrides: dict[str, Any] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "@":
+            if i + 1 >= len(args):
+                raise InvalidInput("@", "an '@' must be followed by an overlay TOML file")
+            files.append(args[i + 1])
+            i += 2
+        elif arg.startswith("@") and len(arg) > 1:
+            files.append(arg[1:])
+            i += 1
+        elif arg.startswith("--") and "." in arg.split("=", 1)[0]:
+            key, _, value = arg[2:].partition("=")
+            if not value:
+                if i + 1 >= len(args):
+                    raise InvalidInput(key, "an override needs a value: --section.key VALUE")
+                value = args[i + 1]
+                i += 1
+            overrides[key] = parse_override_value(value)
+            i += 1
+        elif not arg.startswith("-") and not files:
+            files.append(arg)
+            i += 1
+        else:
+            rest.append(arg)
+            i += 1
+    return files, overrides, rest
+
+
+def load_recipe(args: list[str]):
+    from floe.rl.config import Recipe
+
+    files, overrides, rest = split_recipe_args(args)
+    if not files:
+        raise InvalidInput("RECIPE", "give a recipe TOML file, e.g. recipes/reverse_text.toml")
+    return parse_config(Recipe, load_layers(files, overrides), where="recipe"), rest
+
+
+def cmd_train(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="floe train", description="Run GRPO from a recipe.", epilog=USAGE_RECIPE,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--resume", action="store_true", help="continue the run in output.run_dir from its last checkpoint")
+    parser.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    if any(a in ("-h", "--help") for a in argv):
+        parser.print_help()
+        return 0
+    recipe, rest = load_recipe(argv)
+    opts = parser.parse_args(rest)
+    from floe.rl import train
+    from floe.rl.plot import plot_run
+
+    summary = train(recipe, resume=opts.resume, progress=not opts.no_progress)
+    plots = plot_run(summary.run_dir)
+    evals = summary.eval_rewards
+    first, last = evals.get(0), evals.get(max(evals)) if evals else None
+    print(json.dumps({"run_dir": summary.run_dir, "steps": summary.steps_done, "seconds": round(summary.seconds, 1),
+                      "eval_reward_start": first, "eval_reward_end": last, "plots": [str(p) for p in plots]}, indent=2))
+    return 0
+
+
+def cmd_sft(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="floe sft", description="SFT (cross_entropy) on the recipe env's demonstrations; "
+                                     "uses the recipe's [model] and [warm_start] and exports an HF directory.",
+                                     epilog=USAGE_RECIPE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=False, help="output HF directory (default: <run_dir>/sft)")
+    if any(a in ("-h", "--help") for a in argv):
+        parser.print_help()
+        return 0
+    recipe, rest = load_recipe(argv)
+    opts = parser.parse_args(rest)
+    from floe.envs import make_family
+    from floe.models import make_tiny
+    from floe.rl.config import WarmStartConfig
+    from floe.rl.progress import RunProgress
+    from floe.rl.warmstart import sft_on_demonstrations
+
+    out = Path(opts.out or Path(recipe.output.run_dir) / "sft")
+    work = out.parent / f".{out.name}.work"
+    work.mkdir(parents=True, exist_ok=True)
+    base = recipe.model.path or str(make_tiny(work / "base", **recipe.model.tiny.model_dump()))
+    family = make_family(recipe.env.name, **recipe.env.options)
+    ui = RunProgress()
+    exported = sft_on_demonstrations(base, family, recipe.warm_start or WarmStartConfig(), work, ui.warm_start)
+    import shutil
+
+    if out.exists():
+        shutil.rmtree(out)
+    Path(exported).replace(out)
+    shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps({"model": str(out)}))
+    return 0
+
+
+def cmd_eval(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="floe eval", description="Held-out reward of a model (or a run's checkpoint) "
+                                     "on the recipe's env.", epilog=USAGE_RECIPE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", help="a state name in <run_dir>/states to load first")
+    if any(a in ("-h", "--help") for a in argv):
+        parser.print_help()
+        return 0
+    recipe, rest = load_recipe(argv)
+    opts = parser.parse_args(rest)
+    from concurrent.futures import ThreadPoolExecutor
+
+    import floe
+    from floe.envs import make_family
+    from floe.rl import evaluate
+    from floe.rl.rollouts import Renderer
+    from floe.rl.warmstart import prepare_model
+
+    model = prepare_model(recipe)
+    client = floe.connect(recipe.backend_config(model, str(Path(recipe.output.run_dir) / "states")))
+    if opts.checkpoint:
+        client.load_state(opts.checkpoint)
+    family = make_family(recipe.env.name, **recipe.env.options)
+    start = time.perf_counter()
+    with ThreadPoolExecutor(8) as pool:
+        result = evaluate(client, family, family.tasks("eval", recipe.eval.size, recipe.eval.seed), recipe,
+                          Renderer(client.tokenizer()), pool)
+    result["seconds"] = round(time.perf_counter() - start, 2)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def cmd_plot(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="floe plot", description="Write reward, KL and entropy PNGs for a run.")
+    parser.add_argument("run_dir")
+    opts = parser.parse_args(argv)
+    from floe.rl.plot import plot_run
+
+    for path in plot_run(opts.run_dir):
+        print(path)
+    return 0
+
+
+def cmd_serve(argv: list[str]) -> int:
+    from floe.server.cli import serve_main
+
+    return serve_main(argv)
+
+
+COMMANDS = {"train": cmd_train, "sft": cmd_sft, "eval": cmd_eval, "serve": cmd_serve, "plot": cmd_plot}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print("usage: floe {train,sft,eval,serve,plot} ... (floe COMMAND --help for each)\n\n"
+              "  train  GRPO from a recipe (recipes/reverse_text.toml is the default demo)\n"
+              "  sft    supervised warm start on an env's demonstrations\n"
+              "  eval   held-out reward of a model or checkpoint\n"
+              "  serve  run the backend as an HTTP server\n"
+              "  plot   PNG curves of a run's metrics")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except InvalidInput as e:
+        print(f"floe {argv[0]}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

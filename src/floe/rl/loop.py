@@ -1,0 +1,262 @@
+"""The GRPO loop: sample groups, score them, compute advantages, train, sync, repeat.
+
+It only uses the public client API, so it runs unchanged on any placement. One code path
+serves both modes: a sampler thread produces the rollouts of step i once training has
+finished step i - k (k = `max_off_policy_steps`), so with k = 0 sampling waits for the latest
+weights (synchronous) and with k > 0 it runs up to k steps ahead, overlapping training. Every
+sample records the weights version that produced it; staleness = trainer step - version.
+
+Runs are resumable: a checkpoint saves the backend state and `loop_state.json`; `--resume`
+loads the latest, truncates the JSONL outputs to that step and continues with the next one.
+Step i's tasks and sampling seed derive from (seed, i), so a resumed run is the run it would
+have been.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import shutil
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import floe
+from floe.envs import EnvFamily, Task, make_family
+from floe.rl.advantages import build_training_batch
+from floe.rl.config import Recipe
+from floe.rl.metrics import MetricsLogger, read_jsonl, truncate_jsonl
+from floe.rl.progress import RunProgress
+from floe.rl.rollouts import Renderer, RolloutBatch, run_episodes
+from floe.rl.warmstart import prepare_model
+from floe.types import Batch, SamplingParams
+
+
+@dataclass
+class RunSummary:
+    run_dir: str
+    steps_done: int
+    eval_rewards: dict[int, float]
+    seconds: float
+
+
+def step_seed(seed: int, step: int) -> int:
+    return (seed * 1_000_003 + step * 7_919) % (2**31)
+
+
+def evaluate(client: floe.Client, family: EnvFamily, tasks: list[Task], recipe: Recipe, renderer: Renderer,
+             scorer: ThreadPoolExecutor) -> dict[str, float]:
+    """Mean reward on held-out tasks (one episode each; greedy unless configured otherwise)."""
+    ev = recipe.eval
+    params = SamplingParams(
+        max_tokens=ev.max_tokens or recipe.train.max_tokens,
+        temperature=ev.temperature,
+        top_k=1 if ev.greedy else 0,
+        seed=ev.seed,
+    )
+    rollouts = run_episodes(client, family, tasks, 1, params, renderer, scorer)
+    rewards = [e.reward for e in rollouts.episodes]
+    out = {"eval/reward_mean": statistics.fmean(rewards), "eval/reward_std": statistics.pstdev(rewards)}
+    for key in sorted({k for e in rollouts.episodes for k in e.metrics}):
+        out[f"eval/{key}"] = statistics.fmean(e.metrics.get(key, 0.0) for e in rollouts.episodes)
+    return out
+
+
+class Trainer:
+    def __init__(self, recipe: Recipe, resume: bool = False, progress: bool | None = None):
+        self.recipe = recipe
+        self.run_dir = Path(recipe.output.run_dir)
+        self.resume = resume
+        self.show_progress = recipe.output.progress if progress is None else progress
+
+    # -- setup ----------------------------------------------------------------------------
+
+    def _prepare_run_dir(self) -> None:
+        metrics = self.run_dir / "metrics.jsonl"
+        if metrics.exists() and not self.resume:
+            raise FileExistsError(
+                f"{self.run_dir} already holds a run; pass --resume to continue it or set output.run_dir"
+            )
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.json").write_text(json.dumps(self.recipe.model_dump(), indent=2))
+
+    def _resume_point(self, client: floe.Client) -> int:
+        """Load the latest checkpoint; returns the number of steps already done."""
+        state_file = self.run_dir / "loop_state.json"
+        if not self.resume or not state_file.exists():
+            if self.resume:
+                raise FileNotFoundError(f"--resume: no checkpoint in {self.run_dir}")
+            return 0
+        state = json.loads(state_file.read_text())
+        client.load_state(state["checkpoint"])
+        done = int(state["step"])
+        truncate_jsonl(self.run_dir / "metrics.jsonl", done)
+        truncate_jsonl(self.run_dir / "rollouts.jsonl", done)
+        return done
+
+    def _checkpoint(self, client: floe.Client, step: int) -> None:
+        name = f"step_{step:06d}"
+        client.save_state(name)
+        tmp = self.run_dir / "loop_state.json.tmp"
+        tmp.write_text(json.dumps({"step": step, "checkpoint": name}))
+        tmp.replace(self.run_dir / "loop_state.json")
+        states = self.run_dir / "states"
+        if states.is_dir():  # prune old checkpoints of an embedded backend
+            old = sorted(p for p in states.iterdir() if p.name.startswith("step_"))
+            for p in old[: -self.recipe.output.keep_checkpoints]:
+                shutil.rmtree(p, ignore_errors=True)
+
+    # -- the run --------------------------------------------------------------------------
+
+    def run(self, client: floe.Client | None = None) -> RunSummary:
+        start_time = time.perf_counter()
+        recipe, tr = self.recipe, self.recipe.train
+        self._prepare_run_dir()
+        ui = RunProgress(enabled=self.show_progress)
+        own_client = client is None
+        if client is None:
+            model_path = prepare_model(recipe, ui.warm_start)
+            client = floe.connect(recipe.backend_config(model_path, str(self.run_dir / "states")))
+        family = make_family(recipe.env.name, **recipe.env.options)
+        renderer = Renderer(client.tokenizer())
+        scorer = ThreadPoolExecutor(max_workers=8, thread_name_prefix="floe-score")
+        logger = MetricsLogger(self.run_dir, recipe.model_dump(), recipe.output.wandb,
+                               recipe.output.tensorboard, recipe.output.wandb_project)
+        eval_tasks = family.tasks("eval", recipe.eval.size, recipe.eval.seed)
+        done = self._resume_point(client)
+        eval_rewards = {r["step"]: r["eval/reward_mean"] for r in read_jsonl(self.run_dir / "metrics.jsonl") if "eval/reward_mean" in r}
+        if done == 0:
+            ev = evaluate(client, family, eval_tasks, recipe, renderer, scorer)
+            eval_rewards[0] = ev["eval/reward_mean"]
+            logger.log({"step": 0, **ev})
+        ui.start(total=tr.steps, done=done, eval_reward=eval_rewards.get(max(eval_rewards), None) if eval_rewards else None)
+
+        sampler_client = floe.Client(client.transport)  # a second ordered stream for the producer
+        rollouts: queue.Queue[tuple[int, RolloutBatch] | BaseException] = queue.Queue()
+        trained = threading.Condition()
+        steps_trained = [done]
+        stop = threading.Event()
+
+        def produce() -> None:
+            try:
+                for i in range(done, tr.steps):
+                    with trained:
+                        trained.wait_for(lambda: steps_trained[0] >= i - tr.max_off_policy_steps or stop.is_set())
+                    if stop.is_set():
+                        return
+                    tasks = family.tasks("train", tr.groups_per_step, step_seed(tr.seed, i))
+                    params = SamplingParams(max_tokens=tr.max_tokens, temperature=tr.temperature,
+                                            top_p=tr.top_p, seed=step_seed(tr.seed + 1, i))
+                    rollouts.put((i, run_episodes(sampler_client, family, tasks, tr.samples_per_group,
+                                                  params, renderer, scorer)))
+            except BaseException as e:  # surface producer failures in the trainer thread
+                rollouts.put(e)
+
+        producer = threading.Thread(target=produce, name="floe-rollouts", daemon=True)
+        producer.start()
+        try:
+            for i in range(done, tr.steps):
+                item = rollouts.get()
+                if isinstance(item, BaseException):
+                    raise item
+                step_index, batch = item
+                assert step_index == i
+                record = self._train_step(client, i, batch, logger)
+                with trained:
+                    steps_trained[0] = i + 1
+                    trained.notify_all()
+                step = i + 1
+                if recipe.eval.every and step % recipe.eval.every == 0 or step == tr.steps:
+                    ev = evaluate(client, family, eval_tasks, recipe, renderer, scorer)
+                    record.update(ev)
+                    eval_rewards[step] = ev["eval/reward_mean"]
+                logger.log(record)
+                every = recipe.output.checkpoint_every
+                if (every and step % every == 0) or step == tr.steps:
+                    self._checkpoint(client, step)
+                ui.advance(record)
+        finally:
+            stop.set()
+            with trained:
+                trained.notify_all()
+            producer.join(timeout=60)
+            scorer.shutdown(wait=False)
+            ui.stop()
+            logger.close()
+            if own_client:
+                client.close()
+        seconds = time.perf_counter() - start_time
+        return RunSummary(str(self.run_dir), tr.steps, eval_rewards, seconds)
+
+    def _train_step(self, client: floe.Client, i: int, rollouts: RolloutBatch, logger: MetricsLogger) -> dict[str, Any]:
+        tr = self.recipe.train
+        t0 = time.perf_counter()
+        groups = rollouts.by_group()
+        batch, dropped = build_training_batch(groups, tr.advantage)
+        rewards = [e.reward for e in rollouts.episodes]
+        versions = [t.weights_version for e in rollouts.episodes for t in e.turns]
+        info_step = i  # the policy has taken one optimizer round per loop step before this one
+        record: dict[str, Any] = {
+            "step": i + 1,
+            "reward_mean": statistics.fmean(rewards),
+            "reward_std": statistics.pstdev(rewards),
+            f"reward/{self.recipe.env.name}_mean": statistics.fmean(rewards),
+            "groups_dropped": dropped,
+            "tokens_sampled": sum(len(t.tokens) for e in rollouts.episodes for t in e.turns),
+            "staleness_mean": statistics.fmean(info_step - v for v in versions),
+            "staleness_max": max(info_step - v for v in versions),
+            "weights_version_min": min(versions),
+            "time/sample": rollouts.sample_seconds,
+            "time/score": rollouts.score_seconds,
+        }
+        for key in sorted({k for e in rollouts.episodes for k in e.metrics}):
+            record[f"env/{key}"] = statistics.fmean(e.metrics.get(key, 0.0) for e in rollouts.episodes)
+        train_metrics: list[dict[str, float]] = []
+        step_results = []
+        if batch.groups:
+            loss_cfg = dict(tr.loss_config)
+            if loss_cfg.get("kl", {}).get("coef", 0) > 0:
+                ref = client.forward(batch, zone="reference", temperature=tr.temperature)
+                for g, lps in zip(batch.groups, ref.logprobs):
+                    for s, lp in zip(g.samples, lps):
+                        s.ref_logprobs = lp
+            for part in _split_groups(batch, tr.minibatches):
+                res = client.forward_backward(part, tr.loss, loss_cfg, temperature=tr.temperature)
+                train_metrics.append(res.metrics)
+                step_results.append(client.optim_step())
+        t1 = time.perf_counter()
+        sync = client.sync_weights()
+        t2 = time.perf_counter()
+        if train_metrics:
+            for key in ("loss", "entropy", "clip_fraction", "approx_kl_sampler", "kl_ref", "ratio_max"):
+                vals = [m[key] for m in train_metrics if key in m]
+                if vals:
+                    record[key] = statistics.fmean(vals)
+            record["tokens_trained"] = sum(m["tokens"] for m in train_metrics)
+            record["grad_norm"] = statistics.fmean(s.grad_norm for s in step_results)
+            record["lr"] = step_results[-1].lr
+            record["policy_step"] = step_results[-1].step
+        record.update({"weights_version": sync.version, "sync_bytes": sync.bytes,
+                       "time/train": t1 - t0, "time/sync": t2 - t1})
+        if self.recipe.output.rollouts_per_step:
+            logger.rollouts([
+                {"step": i + 1, "reward": e.reward, "turns": [{"completion": t.text, "reward": t.reward} for t in e.turns],
+                 "task": e.task.id}
+                for e in rollouts.episodes[: self.recipe.output.rollouts_per_step]
+            ])
+        return record
+
+
+def _split_groups(batch: Batch, parts: int) -> list[Batch]:
+    n = len(batch.groups)
+    parts = min(parts, n)
+    bounds = [round(k * n / parts) for k in range(parts + 1)]
+    return [Batch(batch.groups[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def train(recipe: Recipe, resume: bool = False, progress: bool | None = None) -> RunSummary:
+    return Trainer(recipe, resume, progress).run()

@@ -1,0 +1,60 @@
+"""The live console view of a run: warm-start progress, then a step bar with reward and speed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+class RunProgress:
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.console = Console(stderr=True)
+        self._progress: Progress | None = None
+        self._task = None
+        self._warm: Progress | None = None
+        self._warm_task = None
+
+    def _bar(self, label: str) -> Progress:
+        return Progress(
+            TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
+            TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, transient=False,
+        )
+
+    def warm_start(self, step: int, total: int, loss: float) -> None:
+        if not self.enabled:
+            return
+        if self._warm is None:
+            self._warm = self._bar("warm start (SFT)")
+            self._warm.start()
+            self._warm_task = self._warm.add_task("sft", total=total, status="")
+        self._warm.update(self._warm_task, completed=step, status=f"loss {loss:.3f}")
+        if step >= total:
+            self._warm.stop()
+
+    def start(self, total: int, done: int, eval_reward: float | None) -> None:
+        if not self.enabled:
+            return
+        self._progress = self._bar("train")
+        self._progress.start()
+        status = f"eval {eval_reward:.3f}" if eval_reward is not None else ""
+        self._task = self._progress.add_task("train", total=total, completed=done, status=status)
+        self._eval = eval_reward
+
+    def advance(self, record: dict[str, Any]) -> None:
+        if self._progress is None:
+            return
+        if "eval/reward_mean" in record:
+            self._eval = record["eval/reward_mean"]
+        secs = sum(v for k, v in record.items() if k.startswith("time/"))
+        status = f"reward {record['reward_mean']:.3f}"
+        if self._eval is not None:
+            status += f" | eval {self._eval:.3f}"
+        status += f" | {secs:.1f}s/step"
+        self._progress.update(self._task, advance=1, status=status)
+
+    def stop(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
