@@ -37,6 +37,8 @@ class ReverseTextOptions(FamilyOptions):
     min_length: int = Field(3, ge=1)
     max_length: int = Field(8, ge=1)
     system_prompt: bool = True  # False: put the instruction in the user message instead
+    # The peers' wording by default; tiny models train faster with a shorter one.
+    instruction: str = Field(INSTRUCTION, min_length=1)
 
     @model_validator(mode="after")
     def _lengths_ordered(self) -> ReverseTextOptions:
@@ -76,7 +78,7 @@ class ReverseTextFamily(EnvFamily):
 
     def make_env(self, task: Task) -> Env:
         text, target = task.data["text"], task.data["target"]
-        messages = prompt_messages(INSTRUCTION, text, self.options.system_prompt)
+        messages = prompt_messages(self.options.instruction, text, self.options.system_prompt)
 
         def score(completion: str) -> Score:
             answer = extract_answer(completion)
