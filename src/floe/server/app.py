@@ -1,0 +1,229 @@
+"""The FastAPI app of `floe serve`: one route per client operation plus operations endpoints.
+
+  POST /api/{op}             every Client operation; body and result in the wire format (wire.py);
+                             header Server-Timing: op;dur=<ms> is the time the backend spent
+  GET  /health               liveness (no auth)
+  GET  /ready                200 when serving, 503 while draining (no auth)
+  GET  /info                 Info as JSON
+  GET  /tokenizer            the tokenizer's saved files, so remote clients can rebuild it
+  GET  /metrics              Prometheus
+  /v1/...                    OpenAI-compatible sampling (openai.py)
+
+Everything but /health and /ready needs the bearer token when one is set; the check happens
+before the body is read. Operations run in a worker thread, in per-client sequence order
+(ordering.py); the Backend itself serializes them.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import logging
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from floe.backend import Backend
+from floe.client.transport import OPERATIONS
+from floe.errors import FloeError
+from floe.server import wire
+from floe.server.wire import CLIENT_HEADER, REPLAYED_HEADER, SEQ_HEADER
+from floe.server.auth import check_bearer
+from floe.server.errors import ApiError, to_api_error
+from floe.server.metrics import Metrics
+from floe.server.openai import openai_router
+from floe.server.ordering import Ledger, Reply
+from floe.server.settings import ServerConfig
+
+log = logging.getLogger("floe.server")
+
+_CLIENT_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+_TOO_LARGE = b"\x00too-large"  # the digest that stands for "a body over the limit"
+
+
+class ServerState:
+    """What the routes share: the backend, settings, metrics, the ordering ledger."""
+
+    def __init__(self, backend: Backend, config: ServerConfig):
+        self.backend = backend
+        self.config = config
+        self.metrics = Metrics()
+        self.ledger = Ledger(config.result_window, config.max_clients, config.sequence_timeout_s)
+        self.draining = False
+        self.model_name = config.served_model_name or backend.config.model
+        self.metrics.observe_state(backend.info())
+
+    def execute(self, op: str, body: bytes) -> Reply:
+        """Decode, run and encode one operation; every failure becomes an error reply."""
+        try:
+            kwargs = wire.decode_request(op, body)
+            start = time.perf_counter()
+            result = getattr(self.backend, op)(**kwargs)
+            seconds = time.perf_counter() - start
+            self.metrics.observe_result(op, kwargs, result)
+            return Reply(200, wire.encode_result(op, result), wire.MEDIA_TYPE, seconds)
+        except Exception as exc:  # noqa: BLE001 - every failure is answered, none kills the server
+            error = to_api_error(exc)
+            if error.status >= 500:
+                log.exception("operation failed", extra={"op": op})
+            return error_reply(error)
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def error_reply(error: ApiError) -> Reply:
+    return Reply(error.status, error_response(error).body, "application/json")
+
+
+def create_app(backend: Backend, config: ServerConfig) -> FastAPI:
+    state = ServerState(backend, config)
+    app = FastAPI(title="floe", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.floe = state
+
+    async def authorized(request: Request) -> None:
+        check_bearer(request.headers.get("authorization"), config.token)
+
+    auth = [Depends(authorized)]
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(FloeError)
+    async def _floe_error(request: Request, exc: FloeError) -> JSONResponse:
+        return error_response(to_api_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return error_response(ApiError(exc.status_code, code, str(exc.detail)))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        field = ".".join(str(p) for p in first.get("loc", ())) or None
+        return error_response(ApiError(422, "invalid_input", str(first.get("msg", "invalid request")), field))
+
+    @app.middleware("http")
+    async def observe(request: Request, call_next: Any) -> Response:
+        start = time.perf_counter()
+        if state.draining and request.url.path != "/health":
+            response: Response = error_response(ApiError(503, "shutting_down", "the server is shutting down; retry elsewhere or later"))
+        else:
+            try:
+                response = await call_next(request)
+            except Exception as exc:  # noqa: BLE001
+                log.exception("unhandled error")
+                response = error_response(to_api_error(exc))
+        route = getattr(request.scope.get("route"), "path", "unmatched")
+        if route == "/api/{op}" and request.path_params.get("op") in OPERATIONS:
+            route = request.url.path  # one label per operation; unknown names stay grouped
+        seconds = time.perf_counter() - start
+        state.metrics.observe_request(route, response.status_code, seconds)
+        log.info(
+            "request",
+            extra={
+                "method": request.method, "path": request.url.path, "status": response.status_code,
+                "ms": round(seconds * 1000, 2), "client": request.headers.get(CLIENT_HEADER),
+                "seq": request.headers.get(SEQ_HEADER),
+            },
+        )
+        return response
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        if state.draining:
+            return error_response(ApiError(503, "shutting_down", "the server is shutting down"))
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/info", dependencies=auth)
+    async def info() -> dict[str, Any]:
+        return dataclasses.asdict(await run_in_threadpool(backend.info))
+
+    @app.get("/tokenizer", dependencies=auth)
+    async def tokenizer_files() -> dict[str, Any]:
+        return {"files": await run_in_threadpool(_tokenizer_files, backend)}
+
+    @app.get("/metrics", dependencies=auth)
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=state.metrics.content_type)
+
+    @app.post("/api/{op}", dependencies=auth)
+    async def operation(op: str, request: Request) -> Response:
+        if op not in OPERATIONS:
+            raise ApiError(404, "not_found", f"no operation {op!r}; one of {list(OPERATIONS)}")
+        order = _order_headers(request)
+        body = await _read_body(request, config.max_request_bytes)
+
+        async def produce() -> Reply:
+            if body is None:
+                return error_reply(ApiError(413, "payload_too_large", f"request body exceeds {config.max_request_mb:g} MiB"))
+            return await run_in_threadpool(state.execute, op, body)
+
+        if order is None:
+            reply, replayed = await produce(), False
+        else:
+            digest = _TOO_LARGE if body is None else await run_in_threadpool(lambda: hashlib.sha256(body).digest())
+            reply, replayed = await state.ledger.run(*order, digest, produce)
+        headers = {"Server-Timing": f"op;dur={reply.seconds * 1000:.3f}"}
+        if replayed:
+            headers[REPLAYED_HEADER] = "1"
+        return Response(reply.body, status_code=reply.status, media_type=reply.media_type, headers=headers)
+
+    app.include_router(openai_router(state), dependencies=auth)
+    return app
+
+
+def _order_headers(request: Request) -> tuple[str, int] | None:
+    """(client id, seq) from the ordering headers, or None for an unordered request."""
+    client, seq = request.headers.get(CLIENT_HEADER), request.headers.get(SEQ_HEADER)
+    if client is None and seq is None:
+        return None
+    if client is None or not _CLIENT_ID.match(client):
+        raise ApiError(400, "bad_request", "must be 1-128 letters, digits, '_.:-' (sent with X-Floe-Seq)", CLIENT_HEADER)
+    if seq is None or not seq.isascii() or not seq.isdigit() or not 0 < int(seq) < 2**63:
+        raise ApiError(400, "bad_request", "must be an integer >= 1 (sent with X-Floe-Client)", SEQ_HEADER)
+    return client, int(seq)
+
+
+async def _read_body(request: Request, limit: int) -> bytes | None:
+    """The request body, or None when it is larger than `limit` (not read past the limit)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        return None
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _tokenizer_files(backend: Backend) -> dict[str, dict[str, str]]:
+    """The tokenizer as `save_pretrained` writes it: {filename: {"encoding", "data"}}."""
+    files = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        backend.tokenizer.save_pretrained(tmp)
+        for path in sorted(Path(tmp).iterdir()):
+            raw = path.read_bytes()
+            try:
+                files[path.name] = {"encoding": "utf-8", "data": raw.decode("utf-8")}
+            except UnicodeDecodeError:
+                files[path.name] = {"encoding": "base64", "data": base64.b64encode(raw).decode()}
+    return files

@@ -1,0 +1,93 @@
+"""Crash and restart: a server killed with SIGKILL mid-step and restarted from its latest
+saved state lets the same client continue; no operation is applied twice, and the result
+equals an uninterrupted run."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import floe
+from floe import Group, Sample, SamplingParams
+from floe.server.cli import build_parser, latest_state, load_serve_config
+
+PROMPTS = [[5, 6, 7], [8, 9]]
+
+
+def rollout_and_backward(client: floe.Client) -> float:
+    res = client.sample(PROMPTS, n=3, params=SamplingParams(max_tokens=5))  # unseeded: uses the saved RNG
+    batch = [Group(g.prompt, [Sample(s.tokens, logprobs=s.logprobs, advantage=float(j) - 1.0) for j, s in enumerate(g.samples)])
+             for g in res.groups]
+    return client.forward_backward(batch, loss="ppo").metrics["loss"]
+
+
+def finish_step(client: floe.Client, step: int) -> int:
+    applied = client.optim_step().step
+    client.sync_weights()
+    client.save_state(f"step-{step}")
+    return applied
+
+
+def test_sigkill_then_resume_latest_continues_without_double_application(start_server, server_model: Path, tmp_path: Path) -> None:
+    state_dir = tmp_path / "remote-states"
+    server = start_server("--resume-latest", state_dir=state_dir)  # nothing saved yet: starts fresh
+    port = int(server.url.rsplit(":", 1)[1])
+    client = server.client(timeout=120)
+    losses, applied = [], []
+    for step in (1, 2):
+        losses.append(rollout_and_backward(client))
+        applied.append(finish_step(client, step))
+    rollout_and_backward(client)  # step 3 is half done: gradients pending on the server...
+    server.proc.kill()  # ...when it dies
+    server.proc.wait()
+
+    restarted = start_server("--resume-latest", state_dir=state_dir, port=port, wait=False)
+    info = client.info()  # the same client: retries (connection refused) until the new server answers
+    assert restarted.alive()
+    assert (info.step, info.sampler_version, info.capabilities["pending_forward_backward_calls"]) == (2, 2, 0)
+    for step in (3, 4):  # the client re-sends from its own checkpoint (step 2)
+        losses.append(rollout_and_backward(client))
+        applied.append(finish_step(client, step))
+    assert applied == [1, 2, 3, 4]
+    client.export_hf(str(tmp_path / "remote"))
+    client.close()
+
+    with floe.connect(floe.BackendConfig(model=str(server_model), state_dir=str(tmp_path / "local-states"), seed=0)) as local:
+        want = []
+        for step in (1, 2, 3, 4):
+            want.append(rollout_and_backward(local))
+            finish_step(local, step)
+        local.export_hf(str(tmp_path / "local"))
+    assert losses == pytest.approx(want, abs=1e-6)
+    wr, wl = load_file(str(tmp_path / "remote" / "model.safetensors")), load_file(str(tmp_path / "local" / "model.safetensors"))
+    assert all(torch.allclose(wr[k], wl[k], rtol=0, atol=1e-6) for k in wl)
+    assert latest_state(tmp_path / "local-states") == "step-4"
+
+
+def test_resume_from_unknown_state_fails_fast(server_model: Path, tmp_path: Path) -> None:
+    config = tmp_path / "b.toml"
+    config.write_text(f'model = "{server_model}"\nstate_dir = "{tmp_path}"\n')
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "floe.server", str(config), "--resume-from", "nope"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "no saved state 'nope'" in proc.stderr
+    assert time.monotonic() - start < 20  # refused before loading any model
+
+
+def test_config_layers_backend_table_server_table_and_flags(tmp_path: Path) -> None:
+    (tmp_path / "recipe.toml").write_text('[backend]\nmodel = "m"\n[server]\nport = 7100\n[rl]\nsteps = 3\n')
+    (tmp_path / "over.toml").write_text('[backend]\nseed = 5\n')
+    args = build_parser().parse_args([str(tmp_path / "recipe.toml"), f"@{tmp_path / 'over.toml'}", "backend.dtype=bfloat16", "--host", "0.0.0.0"])
+    backend, server = load_serve_config(args.config, args)
+    assert (backend.model, backend.seed, backend.dtype) == ("m", 5, "bfloat16")
+    assert (server.port, server.host) == (7100, "0.0.0.0")
+    (tmp_path / "plain.toml").write_text('model = "m"\nsed = 1\n')
+    with pytest.raises(floe.InvalidInput) as e:
+        load_serve_config([str(tmp_path / "plain.toml")], argparse.Namespace(**{k: None for k in ("host", "port", "token", "max_request_mb", "log_level")}))
+    assert e.value.field == "backend.sed"
