@@ -80,6 +80,11 @@ class Client:
     def tokenizer(self) -> Any:
         return self.transport.tokenizer()
 
+    def fork(self) -> "Client":
+        """A client on the same backend whose calls form their own ordered stream, so it can
+        run concurrently with this one (the async RL loop samples through a fork)."""
+        return Client(self.transport.fork())
+
     def close(self) -> None:
         self.transport.close()
 

@@ -47,6 +47,7 @@ class HttpTransport:
         self.backoff_max = backoff_max
         self.client_id = client_id or uuid.uuid4().hex
         token = token if token is not None else os.environ.get("FLOE_TOKEN")
+        self._token = token
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=self.url, headers=headers)
         self._seq = itertools.count(1)
@@ -99,6 +100,13 @@ class HttpTransport:
                         target.write_text(item["data"], encoding="utf-8")
                 self._tokenizer = AutoTokenizer.from_pretrained(tmp)
         return self._tokenizer
+
+    def fork(self) -> "HttpTransport":
+        """A new ordered stream (its own client id and sequence) to the same server."""
+        return HttpTransport(
+            self.url, self._token, timeout=self.timeout, connect_timeout=self.connect_timeout,
+            backoff_initial=self.backoff_initial, backoff_max=self.backoff_max,
+        )
 
     def close(self) -> None:
         self._http.close()

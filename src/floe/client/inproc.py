@@ -21,5 +21,9 @@ class InprocTransport:
     def tokenizer(self) -> Any:
         return self.backend.tokenizer
 
+    def fork(self) -> "InprocTransport":
+        # The backend orders work per zone itself; an in-process stream needs no new state.
+        return self
+
     def close(self) -> None:
         pass

@@ -30,4 +30,7 @@ class Transport(Protocol):
     def tokenizer(self) -> Any:
         """The model's tokenizer (a transformers tokenizer), for the text edges."""
 
+    def fork(self) -> "Transport":
+        """An independent ordered stream to the same backend (e.g. a sampler thread's)."""
+
     def close(self) -> None: ...

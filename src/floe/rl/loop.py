@@ -135,7 +135,7 @@ class Trainer:
             logger.log({"step": 0, **ev})
         ui.start(total=tr.steps, done=done, eval_reward=eval_rewards.get(max(eval_rewards), None) if eval_rewards else None)
 
-        sampler_client = floe.Client(client.transport)  # a second ordered stream for the producer
+        sampler_client = client.fork()  # a second ordered stream, so sampling can overlap training
         rollouts: queue.Queue[tuple[int, RolloutBatch] | BaseException] = queue.Queue()
         trained = threading.Condition()
         steps_trained = [done]
@@ -184,6 +184,7 @@ class Trainer:
             with trained:
                 trained.notify_all()
             producer.join(timeout=60)
+            sampler_client.close()
             scorer.shutdown(wait=False)
             ui.stop()
             logger.close()
