@@ -81,7 +81,8 @@ class TrainConfig(StrictModel):
 class EvalConfig(StrictModel):
     every: int = Field(10, ge=0, description="0 = only at the start and the end")
     size: int = Field(64, ge=1)
-    greedy: bool = True
+    greedy: bool = Field(True, description="greedy decoding; false samples at `temperature`")
+    samples_per_task: int = Field(1, ge=1, description="episodes per held-out task (sampled eval)")
     temperature: float = Field(1.0, gt=0)
     max_tokens: int | None = None
     seed: int = 1234

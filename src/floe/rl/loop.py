@@ -50,7 +50,7 @@ def step_seed(seed: int, step: int) -> int:
 
 def evaluate(client: floe.Client, family: EnvFamily, tasks: list[Task], recipe: Recipe, renderer: Renderer,
              scorer: ThreadPoolExecutor) -> dict[str, float]:
-    """Mean reward on held-out tasks (one episode each; greedy unless configured otherwise)."""
+    """Mean reward on held-out tasks: `samples_per_task` episodes each, greedy or sampled."""
     ev = recipe.eval
     params = SamplingParams(
         max_tokens=ev.max_tokens or recipe.train.max_tokens,
@@ -58,7 +58,7 @@ def evaluate(client: floe.Client, family: EnvFamily, tasks: list[Task], recipe: 
         top_k=1 if ev.greedy else 0,
         seed=ev.seed,
     )
-    rollouts = run_episodes(client, family, tasks, 1, params, renderer, scorer)
+    rollouts = run_episodes(client, family, tasks, ev.samples_per_task, params, renderer, scorer)
     rewards = [e.reward for e in rollouts.episodes]
     out = {"eval/reward_mean": statistics.fmean(rewards), "eval/reward_std": statistics.pstdev(rewards)}
     for key in sorted({k for e in rollouts.episodes for k in e.metrics}):
