@@ -30,7 +30,7 @@ from pydantic import Field, model_validator
 from floe.envs.base import Env, EnvFamily, Message, StepResult, Task
 from floe.envs.datafile import read_rows
 from floe.envs.options import FamilyOptions, parse_options
-from floe.envs.splits import generate_tasks, select_rows
+from floe.envs.splits import data_file, generate_tasks, select_rows
 
 NAME = "alphabet_sort"
 NEW_MARK = "// new name!"
@@ -165,11 +165,10 @@ class AlphabetSortFamily(EnvFamily):
 
     def tasks(self, split: str, count: int, seed: int) -> list[Task]:
         opts = self.options
-        if opts.data_path is None:
+        source = data_file(opts.data_path, opts.eval_data_path, split)
+        if source is None:
             return generate_tasks(NAME, split, count, seed, self._draw)
-        presplit = split == "eval" and opts.eval_data_path is not None
-        path = opts.eval_data_path if presplit else opts.data_path
-        option = "eval_data_path" if presplit else "data_path"
+        path, option, presplit = source.path, source.option, source.presplit
         rows = []
         for row in read_rows(path, ("names",), option):
             # As the peer: drop spaces inside names and duplicates; each row's episode is drawn

@@ -23,7 +23,7 @@ from floe.envs.base import Env, EnvFamily, Task
 from floe.envs.datafile import read_rows
 from floe.envs.options import FamilyOptions, parse_options
 from floe.envs.single_turn import Score, SingleTurnEnv, prompt_messages
-from floe.envs.splits import generate_tasks, select_rows
+from floe.envs.splits import data_file, generate_tasks, select_rows
 
 NAME = "math"
 INSTRUCTION = "Solve the problem. End your answer with #### and the number."
@@ -81,11 +81,10 @@ class MathFamily(EnvFamily):
 
     def tasks(self, split: str, count: int, seed: int) -> list[Task]:
         opts = self.options
-        if opts.data_path is None:
+        source = data_file(opts.data_path, opts.eval_data_path, split)
+        if source is None:
             return generate_tasks(NAME, split, count, seed, self._draw)
-        presplit = split == "eval" and opts.eval_data_path is not None
-        path = opts.eval_data_path if presplit else opts.data_path
-        option = "eval_data_path" if presplit else "data_path"
+        path, option, presplit = source.path, source.option, source.presplit
         rows = [_row_data(r, i, option) for i, r in enumerate(read_rows(path, ("question", "answer"), option))]
         return select_rows(NAME, split, count, seed, rows, key=lambda r: r["question"], presplit=presplit)
 

@@ -11,12 +11,32 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from floe.envs.base import SPLITS, Task
 
 # One bucket in EVAL_BUCKETS goes to eval (20%): small generated spaces (e.g. one-digit
 # additions) still leave enough distinct eval problems.
 EVAL_BUCKETS = 5
+
+
+@dataclass(frozen=True)
+class DataFile:
+    """The file a split reads: its path, the option that named it, and whether that file
+    holds only this split (an `eval_data_path`) or must be hash-split."""
+
+    path: str
+    option: str
+    presplit: bool
+
+
+def data_file(data_path: str | None, eval_data_path: str | None, split: str) -> DataFile | None:
+    """Where `split` comes from: a user's file, or None when floe generates the data."""
+    if data_path is None:
+        return None
+    if split == "eval" and eval_data_path is not None:
+        return DataFile(eval_data_path, "eval_data_path", True)
+    return DataFile(data_path, "data_path", False)
 
 
 def check_request(split: str, count: int, seed: int) -> None:

@@ -38,7 +38,7 @@ from floe.envs.base import Env, EnvFamily, Task
 from floe.envs.datafile import read_rows
 from floe.envs.options import FamilyOptions, parse_options
 from floe.envs.single_turn import Score, SingleTurnEnv, prompt_messages
-from floe.envs.splits import generate_tasks, select_rows
+from floe.envs.splits import data_file, generate_tasks, select_rows
 from floe.envs.sql_databases import SCHEMAS, db_id, ensure_database, read_schema_ddl, schema_rows
 from floe.envs.sql_extract import extract_sql, format_ok
 from floe.envs.sql_questions import TEMPLATES
@@ -104,7 +104,8 @@ class Text2SqlFamily(EnvFamily):
 
     def tasks(self, split: str, count: int, seed: int) -> list[Task]:
         opts = self.options
-        if opts.data_path is None:
+        source = data_file(opts.data_path, opts.eval_data_path, split)
+        if source is None:
             databases = {s: ensure_database(s, opts.db_seed, self.db_dir) for s in opts.schemas}
             facts = {s: schema_rows(s, opts.db_seed) for s in opts.schemas}
             ddl = {s: read_schema_ddl(path) for s, path in databases.items()}
@@ -122,9 +123,7 @@ class Text2SqlFamily(EnvFamily):
                 return f"{data['db_id']}|{question}", data
 
             return generate_tasks(NAME, split, count, seed, draw)
-        presplit = split == "eval" and opts.eval_data_path is not None
-        option = "eval_data_path" if presplit else "data_path"
-        path = opts.eval_data_path if presplit else opts.data_path
+        path, option, presplit = source.path, source.option, source.presplit
         rows = self._bird_rows(read_rows(path, ("db_id", "question", "SQL"), option), option)
         return select_rows(NAME, split, count, seed, rows, key=lambda r: f"{r['db_id']}|{r['question']}", presplit=presplit)
 
