@@ -110,7 +110,8 @@ def cmd_sft(argv: list[str]) -> int:
     base = recipe.model.path or str(make_tiny(work / "base", **recipe.model.tiny.model_dump()))
     family = make_family(recipe.env.name, **recipe.env.options)
     ui = RunProgress()
-    exported = sft_on_demonstrations(base, family, recipe.warm_start or WarmStartConfig(), work, ui.warm_start)
+    exported = sft_on_demonstrations(base, family, recipe.warm_start or WarmStartConfig(), work, ui.warm_start,
+                                     recipe.backend.get("num_threads"))
     import shutil
 
     if out.exists():

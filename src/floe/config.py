@@ -78,6 +78,9 @@ class BackendConfig(StrictModel):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "cpu"
     seed: int = 0
+    num_threads: int | None = Field(
+        None, gt=0, description="torch intra-op threads for this process; None keeps torch's default"
+    )
     state_dir: str = Field("floe_state", description="where save_state/load_state keep states")
     trust_remote_code: bool = False
     optimizer: OptimizerConfig = OptimizerConfig()

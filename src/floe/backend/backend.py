@@ -56,6 +56,10 @@ def _check_temperature(temperature: Any) -> float:
 class Backend:
     def __init__(self, config: BackendConfig):
         self.config = config
+        if config.num_threads is not None:
+            # Small models on few cores run faster single-threaded than with oversubscribed
+            # OpenMP pools (measured in docs/benchmarks.md).
+            torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
         policy_model = load_model(config.model, config.dtype, config.device, config.trust_remote_code)

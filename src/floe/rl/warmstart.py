@@ -55,7 +55,8 @@ def prepare_model(recipe: Recipe, progress: Progress | None = None) -> str:
             result = base
         else:
             family = make_family(recipe.env.name, **recipe.env.options)
-            result = Path(sft_on_demonstrations(str(base), family, recipe.warm_start, work, progress))
+            threads = recipe.backend.get("num_threads")
+            result = Path(sft_on_demonstrations(str(base), family, recipe.warm_start, work, progress, threads))
         (result / "floe_model_spec.json").write_text(json.dumps(spec, indent=2))
         if final.exists():
             shutil.rmtree(final)
@@ -78,7 +79,12 @@ def demonstration_batch(family: EnvFamily, renderer: Renderer, count: int, seed:
 
 
 def sft_on_demonstrations(
-    model_path: str, family: EnvFamily, cfg: WarmStartConfig, work: Path, progress: Progress | None = None
+    model_path: str,
+    family: EnvFamily,
+    cfg: WarmStartConfig,
+    work: Path,
+    progress: Progress | None = None,
+    num_threads: int | None = None,
 ) -> str:
     """Train `model_path` on fresh demonstrations each step; returns the exported HF dir."""
     client = floe.connect(
@@ -86,6 +92,7 @@ def sft_on_demonstrations(
             model=model_path,
             state_dir=str(work / "states"),
             seed=cfg.seed,
+            num_threads=num_threads,
             reference={"enabled": False},
             optimizer={"lr": cfg.lr, "schedule": "cosine", "warmup_steps": cfg.warmup_steps,
                        "total_steps": cfg.steps, "min_lr_ratio": 0.1, "betas": (0.9, 0.98)},
