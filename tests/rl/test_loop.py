@@ -85,3 +85,12 @@ def test_killed_run_resumes_with_no_lost_or_repeated_step(recipe_file, tmp_path)
 def test_resume_without_checkpoint_is_an_error(recipe_file):
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         train(load_recipe([recipe_file(name="fresh")])[0], resume=True, progress=False)
+
+
+def test_kl_penalty_uses_the_reference_zone_and_minibatches(recipe_file):
+    recipe, _ = load_recipe([recipe_file(steps=2, name="kl"), "--train.loss_config.kl.coef", "0.1",
+                             "--train.minibatches", "2"])
+    summary = train(recipe, progress=False)
+    records = [r for r in read_jsonl(Path(summary.run_dir) / "metrics.jsonl") if r["step"] > 0]
+    assert all("kl_ref" in r and r["kl_ref"] >= 0 for r in records)
+    assert [r["policy_step"] for r in records] == [2, 4]  # two optimizer steps per loop step
