@@ -89,7 +89,7 @@ class PolicyZone:
 
         logprobs: list[list[list[float]]] = [[[] for _ in g.samples] for g in batch.groups]
         parts_metrics = []
-        for mb in plan_batch(batch, self.compute, uses_prefix_dedup(self.model, self.compute)):
+        for mb in plan_batch(batch, self.compute, uses_prefix_dedup(self.model, self.compute), self.model):
             scored = score_microbatch(self.model, batch, mb, temperature, True, self.compute)
             mb_samples = [(p.group, i) for p in mb.parts for i in p.samples]
             logp = torch.cat([lp for part in scored for lp in part.logprobs])

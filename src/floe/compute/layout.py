@@ -11,6 +11,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
+
+# How a micro-batch runs through the model (see backend/scoring.py): one padded row per
+# sample, one packed stream without dedup, or the shared-prefix stream (compute/prefix.py).
+Layout = Literal["padded", "packed", "shared_prefix"]
 
 
 @dataclass(frozen=True)
@@ -24,11 +29,10 @@ class GroupPart:
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """Group parts that run through the model together; `shared_prefix`: each part's prompt
-    is computed once for its samples (compute/prefix.py) instead of once per sample."""
+    """Group parts that run through the model together, and the layout they run in."""
 
     parts: tuple[GroupPart, ...]
-    shared_prefix: bool = False
+    layout: Layout = "padded"
 
     @property
     def cost(self) -> int:
@@ -61,7 +65,7 @@ def split_group(
 
 
 def plan_microbatches(
-    prompt_lens: list[int], sample_lens: list[list[int]], budget: int, dedup: bool
+    prompt_lens: list[int], sample_lens: list[list[int]], budget: int, layout: Layout = "padded"
 ) -> list[MicroBatch]:
     """Balanced micro-batches of group parts, each within `budget` tokens where possible.
 
@@ -71,7 +75,7 @@ def plan_microbatches(
     parts = [
         part
         for g, (p, lens) in enumerate(zip(prompt_lens, sample_lens))
-        for part in split_group(g, p, lens, budget, dedup)
+        for part in split_group(g, p, lens, budget, layout == "shared_prefix")
     ]
     if not parts:
         return []
@@ -92,5 +96,5 @@ def plan_microbatches(
             break
         n_bins += 1
     # Keep the original group order inside each micro-batch for readable, reproducible runs.
-    out = [MicroBatch(tuple(sorted(b, key=lambda p: (p.group, p.samples))), dedup) for b in bins if b]
+    out = [MicroBatch(tuple(sorted(b, key=lambda p: (p.group, p.samples))), layout) for b in bins if b]
     return sorted(out, key=lambda mb: (mb.parts[0].group, mb.parts[0].samples))

@@ -45,14 +45,13 @@ SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 class StreamPart:
     """One group part inside the stream.
 
-    `start` is the stream offset of the prompt, `prompt_len` its length. `seg_index`
-    [m * R_max] holds the stream positions of the m segments, right-padded to R_max (padding
-    repeats a valid position); `seg_valid` selects the real entries of the flattened
-    [m, R_max] grid, or is None when no segment is padded. `mask` is the bool bottom-right
-    causal mask [R_max, prompt_len + R_max].
+    `prompt_len` is the prompt's length. `seg_index` [m * R_max] holds the positions of the
+    m segments within the part's segment tokens, right-padded to R_max (padding repeats a
+    valid position); `seg_valid` selects the real entries of the flattened [m, R_max] grid,
+    or is None when no segment is padded. `mask` is the bool bottom-right causal mask
+    [R_max, prompt_len + R_max]. A part with at most one segment is a single causal run.
     """
 
-    start: int
     prompt_len: int
     num_segments: int
     seg_len: int
@@ -63,9 +62,16 @@ class StreamPart:
 
 @dataclass(frozen=True)
 class StreamLayout:
-    """A packed stream: its position ids [1, T] and the parts attention needs to know about."""
+    """A packed stream: its position ids [1, T] and the parts attention needs to know about.
+
+    `chunks` cuts the stream, in order, into per-part pieces (prompt, then all segments; or
+    one piece for a single-run part). Attention splits q/k/v with one `torch.split`, whose
+    backward is one concatenation; slicing the full stream per part instead would make
+    every part's backward write a zero-filled stream-sized gradient.
+    """
 
     parts: tuple[StreamPart, ...]
+    chunks: tuple[int, ...]
     position_ids: torch.Tensor
     length: int
 
@@ -81,72 +87,69 @@ def build_stream(parts: list[tuple[int, list[int]]], device: torch.device) -> St
     The stream holds, per part, the prompt then its non-empty segments in order.
     """
     out: list[StreamPart] = []
+    chunks: list[int] = []
     positions: list[torch.Tensor] = []
-    offset = 0
     for prompt_len, seg_lens in parts:
         segs = [r for r in seg_lens if r > 0]
         positions.append(torch.arange(prompt_len))
         for r in segs:
             positions.append(torch.arange(prompt_len, prompt_len + r))
-        if not segs:
-            out.append(StreamPart(offset, prompt_len, 0, 0, None, None, None))
-            offset += prompt_len
+        if len(segs) <= 1:
+            r = sum(segs)
+            out.append(StreamPart(prompt_len, len(segs), r, None, None, None))
+            chunks.append(prompt_len + r)
             continue
         r_max = max(segs)
         rows, valid = [], []
-        seg_start = offset + prompt_len
+        seg_start = 0
         for r in segs:
-            idx = torch.arange(seg_start, seg_start + r_max).clamp_max(seg_start + r - 1)
-            rows.append(idx)
+            rows.append(torch.arange(seg_start, seg_start + r_max).clamp_max(seg_start + r - 1))
             valid.append(torch.arange(r_max) < r)
             seg_start += r
         seg_valid = torch.cat(valid)
         out.append(
             StreamPart(
-                start=offset,
                 prompt_len=prompt_len,
                 num_segments=len(segs),
                 seg_len=r_max,
                 seg_index=torch.cat(rows).to(device),
                 seg_valid=None if bool(seg_valid.all()) else seg_valid.nonzero().squeeze(-1).to(device),
-                mask=lower_right_causal_mask(r_max, prompt_len + r_max, device) if len(segs) > 1 else None,
+                mask=lower_right_causal_mask(r_max, prompt_len + r_max, device),
             )
         )
-        offset = seg_start
+        chunks.extend([prompt_len, seg_start])
     position_ids = torch.cat(positions).to(device).unsqueeze(0)
-    return StreamLayout(tuple(out), position_ids, offset)
+    return StreamLayout(tuple(out), tuple(chunks), position_ids, sum(chunks))
 
 
 def _part_attention(
-    part: StreamPart, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
+    part: StreamPart, q: list[torch.Tensor], k: list[torch.Tensor], v: list[torch.Tensor], scale: float | None
 ) -> list[torch.Tensor]:
     """Attention outputs [tokens, heads, dim] of one part, in stream order.
 
-    q, k, v: [heads, T, dim] for the whole stream (k, v already expanded to the query heads).
+    q, k, v: the part's chunks ([prompt + segment] or [prompt, segments]), each
+    [1, heads, tokens, dim], k and v already expanded to the query heads. SDPA gets 4D
+    inputs throughout: on CPU, 3D inputs fall back to the slow math path.
     """
-    s, p = part.start, part.prompt_len
     if part.num_segments <= 1:
-        # A prompt with at most one sample is one contiguous causal row.
-        end = s + p + part.seg_len
-        o = F.scaled_dot_product_attention(q[:, s:end], k[:, s:end], v[:, s:end], is_causal=True, scale=scale)
-        return [o.transpose(0, 1)]
+        o = F.scaled_dot_product_attention(q[0], k[0], v[0], is_causal=True, scale=scale)
+        return [o[0].transpose(0, 1)]
     assert part.seg_index is not None and part.mask is not None
     m, r_max = part.num_segments, part.seg_len
-    o_prompt = F.scaled_dot_product_attention(
-        q[:, s : s + p], k[:, s : s + p], v[:, s : s + p], is_causal=True, scale=scale
-    )
-    heads, dim = q.shape[0], q.shape[-1]
+    (q_p, q_s), (k_p, k_s), (v_p, v_s) = q, k, v
+    heads, dim = q_p.shape[1], q_p.shape[-1]
+    o_prompt = F.scaled_dot_product_attention(q_p, k_p, v_p, is_causal=True, scale=scale)
 
-    def segments(x: torch.Tensor) -> torch.Tensor:  # [heads, T, dim] -> [m, heads, R_max, dim]
-        return x.index_select(1, part.seg_index).view(heads, m, r_max, dim).transpose(0, 1)
+    def segments(x: torch.Tensor) -> torch.Tensor:  # [1, heads, S, dim] -> [m, heads, R_max, dim]
+        return x[0].index_select(1, part.seg_index).view(heads, m, r_max, dim).transpose(0, 1)
 
-    k_all = torch.cat([k[:, s : s + p].unsqueeze(0).expand(m, -1, -1, -1), segments(k)], dim=2)
-    v_all = torch.cat([v[:, s : s + p].unsqueeze(0).expand(m, -1, -1, -1), segments(v)], dim=2)
-    o_seg = F.scaled_dot_product_attention(segments(q), k_all, v_all, attn_mask=part.mask, scale=scale)
+    k_all = torch.cat([k_p.expand(m, -1, -1, -1), segments(k_s)], dim=2)
+    v_all = torch.cat([v_p.expand(m, -1, -1, -1), segments(v_s)], dim=2)
+    o_seg = F.scaled_dot_product_attention(segments(q_s), k_all, v_all, attn_mask=part.mask, scale=scale)
     o_seg = o_seg.transpose(1, 2).reshape(m * r_max, heads, dim)
     if part.seg_valid is not None:
         o_seg = o_seg.index_select(0, part.seg_valid)
-    return [o_prompt.transpose(0, 1), o_seg]
+    return [o_prompt[0].transpose(0, 1), o_seg]
 
 
 def prefix_attention_forward(
@@ -174,8 +177,15 @@ def prefix_attention_forward(
     if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
         raise ValueError("shared-prefix attention does not implement sliding windows or soft-capping")
     groups = getattr(module, "num_key_value_groups", 1)
-    q, k, v = query[0], repeat_kv(key, groups)[0], repeat_kv(value, groups)[0]
-    pieces = [o for part in floe_stream.parts for o in _part_attention(part, q, k, v, scaling)]
+    sizes = list(floe_stream.chunks)
+    q_chunks = torch.split(query, sizes, dim=2)
+    k_chunks = torch.split(repeat_kv(key, groups), sizes, dim=2)
+    v_chunks = torch.split(repeat_kv(value, groups), sizes, dim=2)
+    pieces, i = [], 0
+    for part in floe_stream.parts:
+        j = i + (1 if part.num_segments <= 1 else 2)
+        pieces.extend(_part_attention(part, q_chunks[i:j], k_chunks[i:j], v_chunks[i:j], scaling))
+        i = j
     return torch.cat(pieces, dim=0).unsqueeze(0), None
 
 
@@ -195,9 +205,8 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
     layer_types = getattr(cfg, "layer_types", None) or []
     if any(t != "full_attention" for t in layer_types):
         return "the model has sliding-window or other non-full attention layers"
-    if getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True):
-        if cfg.model_type == "mistral":
-            return "sliding-window attention is enabled"
+    if cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None) is not None:
+        return "sliding-window attention is enabled"
     return None
 
 
@@ -255,6 +264,17 @@ class CostModel:
             pair_flops=4.0 * cfg.num_attention_heads * head_dim * len(layers),
             head_flops=2.0 * d * vocab + 20.0 * vocab,
             part_overhead_flops=len(layers) * 64 * per_layer_token,  # ~64 tokens' worth per part-layer
+        )
+
+    @classmethod
+    def generic(cls, d: int = 2048, layers: int = 28, vocab: int = 151_936) -> "CostModel":
+        """A typical dense decoder (about Qwen3-1.7B) when no model is at hand."""
+        per_layer_token = 2.0 * 12 * d * d
+        return cls(
+            token_flops=layers * per_layer_token,
+            pair_flops=4.0 * d * layers,
+            head_flops=2.0 * d * vocab + 20.0 * vocab,
+            part_overhead_flops=layers * 64 * per_layer_token,
         )
 
     def padded(self, prompt_lens: list[int], sample_lens: list[list[int]]) -> float:
