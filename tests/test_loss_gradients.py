@@ -127,7 +127,7 @@ def reference_grads(model, params, *args, **kwargs) -> tuple[torch.Tensor, float
     g = flat_grads(params).clone()
     for p in params:
         p.grad = None
-    return g, float(loss)
+    return g, float(loss.detach())
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
