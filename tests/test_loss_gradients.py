@@ -130,6 +130,15 @@ def reference_grads(model, params, *args, **kwargs) -> tuple[torch.Tensor, float
     return g, float(loss.detach())
 
 
+def take_grads(backend) -> torch.Tensor:
+    """The policy's accumulated gradient as one vector; then clears it (tests only compare)."""
+    got = flat_grads(backend.policy.params).clone()
+    for p in backend.policy.params:
+        p.grad = None
+    backend.policy.pending_calls = 0
+    return got
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
@@ -159,10 +168,7 @@ def test_gradients_match_naive_reference(client, loss, aggregation):
     cfg = dict(LOSSES[loss], aggregation=aggregation)
     expected, expected_loss = reference_grads(model, params, batch, loss, LOSSES[loss], aggregation, None, 0.0)
     result = client.forward_backward(batch, loss, cfg, temperature=TEMPERATURE)
-    got = flat_grads(params).clone()
-    for p in params:  # discard: this test only compares gradients
-        p.grad = None
-    backend.policy.pending_calls = 0
+    got = take_grads(backend)
     assert rel_err(got, expected) < 1e-5
     assert math.isclose(result.metrics["loss"], expected_loss, rel_tol=1e-5, abs_tol=1e-6)
     assert result.loss_config["aggregation"] == aggregation
@@ -176,10 +182,7 @@ def test_kl_and_entropy_terms_match_reference(client, estimator):
     cfg = {"kl": {"coef": 0.3, "estimator": estimator}, "entropy": {"coef": 0.05}, "aggregation": "token_mean"}
     expected, _ = reference_grads(model, params, batch, "ppo", {"dual_clip": 3.0}, "token_mean", (0.3, estimator), 0.05)
     client.forward_backward(batch, "ppo", dict(cfg, dual_clip=3.0), temperature=TEMPERATURE)
-    got = flat_grads(params).clone()
-    for p in params:
-        p.grad = None
-    backend.policy.pending_calls = 0
+    got = take_grads(backend)
     assert rel_err(got, expected) < 1e-5
 
 
@@ -189,10 +192,7 @@ def test_norm_length_override(client):
     batch = make_batch(backend.vocab_size, seed=3)
     expected, _ = reference_grads(model, params, batch, "importance_sampling", {}, "seq_mean_token_sum_norm", None, 0.0, norm_length=50)
     client.forward_backward(batch, "importance_sampling", {"aggregation": "seq_mean_token_sum_norm", "norm_length": 50}, temperature=TEMPERATURE)
-    got = flat_grads(params).clone()
-    for p in params:
-        p.grad = None
-    backend.policy.pending_calls = 0
+    got = take_grads(backend)
     assert rel_err(got, expected) < 1e-5
 
 
@@ -202,16 +202,11 @@ def test_gradients_accumulate_across_calls(client):
     params = backend.policy.params
     a, b = make_batch(backend.vocab_size, 11), make_batch(backend.vocab_size, 12)
     client.forward_backward(floe.Batch(a.groups + b.groups), "ppo", {"aggregation": "sum"})
-    together = flat_grads(params).clone()
-    for p in params:
-        p.grad = None
+    together = take_grads(backend)
     client.forward_backward(a, "ppo", {"aggregation": "sum"})
     client.forward_backward(b, "ppo", {"aggregation": "sum"})
-    separate = flat_grads(params).clone()
-    assert backend.policy.pending_calls == 3
-    for p in params:
-        p.grad = None
-    backend.policy.pending_calls = 0
+    assert backend.policy.pending_calls == 2
+    separate = take_grads(backend)
     assert rel_err(separate, together) < 1e-5
 
 
@@ -219,9 +214,7 @@ def test_metrics_report_clipping_and_ratios(client):
     backend = backend_of(client)
     batch = make_batch(backend.vocab_size, seed=5)
     res = client.forward_backward(batch, "ppo", {"clip_low": 0.01, "clip_high": 0.01})
-    for p in backend.policy.params:
-        p.grad = None
-    backend.policy.pending_calls = 0
+    take_grads(backend)
     m = res.metrics
     assert 0 < m["clip_fraction"] <= 1
     assert m["ratio_min"] <= m["ratio_mean"] <= m["ratio_max"]
