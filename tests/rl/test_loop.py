@@ -94,3 +94,22 @@ def test_kl_penalty_uses_the_reference_zone_and_minibatches(recipe_file):
     records = [r for r in read_jsonl(Path(summary.run_dir) / "metrics.jsonl") if r["step"] > 0]
     assert all("kl_ref" in r and r["kl_ref"] >= 0 for r in records)
     assert [r["policy_step"] for r in records] == [2, 4]  # two optimizer steps per loop step
+
+
+def test_tensorboard_logging_when_asked(recipe_file):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    recipe, _ = load_recipe([recipe_file(steps=2, name="tb"), "--output.tensorboard", "true"])
+    summary = train(recipe, progress=False)
+    events = EventAccumulator(str(Path(summary.run_dir) / "tensorboard"))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert "reward_mean" in tags and "eval/reward_mean" in tags
+    assert [e.step for e in events.Scalars("reward_mean")] == [1, 2]
+
+
+def test_wandb_without_the_package_is_a_clear_error(recipe_file, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` fail as if not installed
+    recipe, _ = load_recipe([recipe_file(steps=1, name="wb"), "--output.wandb", "true"])
+    with pytest.raises(RuntimeError, match=r"pip install 'floe\[wandb\]'"):
+        train(recipe, progress=False)
