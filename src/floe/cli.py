@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     try:
         return COMMANDS[argv[0]](argv[1:])
-    except InvalidInput as e:
+    except (InvalidInput, FileExistsError, FileNotFoundError) as e:
         print(f"floe {argv[0]}: error: {e}", file=sys.stderr)
         return 2
 

@@ -42,6 +42,8 @@ def test_sync_run_writes_metrics_checkpoints_rollouts_and_plots(recipe_file, cap
     # Running again into the same directory without --resume is refused.
     with pytest.raises(FileExistsError, match="--resume"):
         train(load_recipe([path])[0], progress=False)
+    assert main(["train", path, "--no-progress"]) == 2  # the CLI says so without a traceback
+    assert "--resume" in capsys.readouterr().err
 
 
 def test_async_mode_overlaps_and_bounds_staleness(recipe_file):
