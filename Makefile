@@ -1,6 +1,6 @@
 # The README's commands. `make train` runs the main job, `make test` the test suite; both set
 # up .venv first (scripts/setup.sh), so they work on a fresh clone.
-.PHONY: setup train test bench
+.PHONY: setup train test
 
 setup:
 	@bash scripts/setup.sh
@@ -10,6 +10,3 @@ train: setup
 
 test: setup
 	.venv/bin/python -m pytest -q
-
-bench: setup
-	.venv/bin/python benchmarks/run_all.py

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from floe.config import load_layers, parse_config, parse_override_value
+from floe.config import load_layers, parse_config, split_recipe_args
 from floe.errors import InvalidInput
 
 USAGE_RECIPE = """recipe arguments:
@@ -21,40 +21,6 @@ USAGE_RECIPE = """recipe arguments:
   Layers merge left to right, then overrides apply, e.g.
     floe train recipes/reverse_text.toml @ recipes/overlays/async.toml --train.steps 20
   Every key is documented in docs/recipes.md; an unknown key is an error."""
-
-
-def split_recipe_args(args: list[str]) -> tuple[list[str], dict[str, Any], list[str]]:
-    """(TOML files, dotted overrides, remaining flags) from the raw argument list."""
-    files: list[str] = []
-    overrides: dict[str, Any] = {}
-    rest: list[str] = []
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if arg == "@":
-            if i + 1 >= len(args):
-                raise InvalidInput("@", "an '@' must be followed by an overlay TOML file")
-            files.append(args[i + 1])
-            i += 2
-        elif arg.startswith("@") and len(arg) > 1:
-            files.append(arg[1:])
-            i += 1
-        elif arg.startswith("--") and "." in arg.split("=", 1)[0]:
-            key, _, value = arg[2:].partition("=")
-            if not value:
-                if i + 1 >= len(args):
-                    raise InvalidInput(key, "an override needs a value: --section.key VALUE")
-                value = args[i + 1]
-                i += 1
-            overrides[key] = parse_override_value(value)
-            i += 1
-        elif not arg.startswith("-") and not files:
-            files.append(arg)
-            i += 1
-        else:
-            rest.append(arg)
-            i += 1
-    return files, overrides, rest
 
 
 def load_recipe(args: list[str]):

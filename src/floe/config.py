@@ -183,3 +183,37 @@ def validation_to_invalid_input(error: ValidationError, where: str) -> InvalidIn
     elif first["type"] == "missing":
         msg = "required key is missing"
     return InvalidInput(field, msg)
+
+
+def split_recipe_args(args: list[str]) -> tuple[list[str], dict[str, Any], list[str]]:
+    """(TOML files, dotted overrides, remaining flags) from the raw argument list."""
+    files: list[str] = []
+    overrides: dict[str, Any] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "@":
+            if i + 1 >= len(args):
+                raise InvalidInput("@", "an '@' must be followed by an overlay TOML file")
+            files.append(args[i + 1])
+            i += 2
+        elif arg.startswith("@") and len(arg) > 1:
+            files.append(arg[1:])
+            i += 1
+        elif arg.startswith("--") and "." in arg.split("=", 1)[0]:
+            key, _, value = arg[2:].partition("=")
+            if not value:
+                if i + 1 >= len(args):
+                    raise InvalidInput(key, "an override needs a value: --section.key VALUE")
+                value = args[i + 1]
+                i += 1
+            overrides[key] = parse_override_value(value)
+            i += 1
+        elif not arg.startswith("-") and not files:
+            files.append(arg)
+            i += 1
+        else:
+            rest.append(arg)
+            i += 1
+    return files, overrides, rest

@@ -8,7 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import floe
-from floe.cli import load_recipe, main, split_recipe_args
+from floe.cli import load_recipe, main
+from floe.config import split_recipe_args
 from floe.envs import make_family
 from floe.rl.advantages import build_training_batch, group_advantages
 from floe.rl.config import AdvantageConfig, Recipe

@@ -4,7 +4,6 @@ equals an uninterrupted run."""
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from safetensors.torch import load_file
 
 import floe
 from floe import Group, Sample, SamplingParams
-from floe.server.cli import build_parser, latest_state, load_serve_config
+from floe.server.cli import latest_state, load_serve_config, parse_serve_args
 
 PROMPTS = [[5, 6, 7], [8, 9]]
 
@@ -81,13 +80,35 @@ def test_resume_from_unknown_state_fails_fast(server_model: Path, tmp_path: Path
 
 
 def test_config_layers_backend_table_server_table_and_flags(tmp_path: Path) -> None:
-    (tmp_path / "recipe.toml").write_text('[backend]\nmodel = "m"\n[server]\nport = 7100\n[rl]\nsteps = 3\n')
+    (tmp_path / "serve.toml").write_text('[backend]\nmodel = "m"\n[server]\nport = 7100\n')
     (tmp_path / "over.toml").write_text('[backend]\nseed = 5\n')
-    args = build_parser().parse_args([str(tmp_path / "recipe.toml"), f"@{tmp_path / 'over.toml'}", "backend.dtype=bfloat16", "--host", "0.0.0.0"])
-    backend, server = load_serve_config(args.config, args)
+    files, overrides, args = parse_serve_args(
+        [str(tmp_path / "serve.toml"), "@", str(tmp_path / "over.toml"), "--backend.dtype", "bfloat16", "--host", "0.0.0.0"]
+    )
+    backend, server = load_serve_config(files, overrides, args)
     assert (backend.model, backend.seed, backend.dtype) == ("m", 5, "bfloat16")
     assert (server.port, server.host) == (7100, "0.0.0.0")
+    flags = parse_serve_args([str(tmp_path / "serve.toml")])[2]
     (tmp_path / "plain.toml").write_text('model = "m"\nsed = 1\n')
     with pytest.raises(floe.InvalidInput) as e:
-        load_serve_config([str(tmp_path / "plain.toml")], argparse.Namespace(**{k: None for k in ("host", "port", "token", "max_request_mb", "log_level")}))
+        load_serve_config([str(tmp_path / "plain.toml")], {}, flags)
     assert e.value.field == "backend.sed"
+    # Nothing is silently ignored: a stray table next to [backend] is an error.
+    (tmp_path / "stray.toml").write_text('[backend]\nmodel = "m"\n[rl]\nsteps = 3\n')
+    with pytest.raises(floe.InvalidInput) as e:
+        load_serve_config([str(tmp_path / "stray.toml")], {}, flags)
+    assert e.value.field == "rl"
+
+
+def test_a_training_recipe_serves_its_prepared_model(tmp_path: Path, server_model: Path) -> None:
+    (tmp_path / "recipe.toml").write_text(
+        f'[model]\npath = "{server_model}"\n[backend]\nseed = 3\n[train]\nsteps = 2\n'
+        f'[output]\nrun_dir = "{tmp_path / "run"}"\n'
+    )
+    files, overrides, args = parse_serve_args([str(tmp_path / "recipe.toml")])
+    backend, _ = load_serve_config(files, overrides, args)
+    assert (backend.model, backend.seed, backend.state_dir) == (str(server_model), 3, str(tmp_path / "run" / "states"))
+    (tmp_path / "bad.toml").write_text(f'[model]\npath = "{server_model}"\n[train]\nstepz = 2\n')
+    with pytest.raises(floe.InvalidInput) as e:
+        load_serve_config([str(tmp_path / "bad.toml")], {}, args)
+    assert e.value.field == "recipe.train.stepz"

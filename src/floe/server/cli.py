@@ -1,9 +1,15 @@
-"""`floe serve CONFIG.toml [@OVERLAY.toml ...] [key=value ...] [--host] [--port] [--token] ...`
+"""`floe serve CONFIG.toml [@ OVERLAY.toml ...] [--section.key VALUE ...] [--host] [--port] ...`
 
-The config files are merged with floe.config.load_layers. The backend config is the file's
-`[backend]` table when it has one (so a training recipe serves as is), otherwise the whole
-file; an optional `[server]` table sets ServerConfig, and command-line flags override it.
-The token may also come from the FLOE_TOKEN environment variable (kept out of `ps`).
+Files, overlays and overrides use the same syntax as `floe train` (floe.config). The merged
+config is one of:
+* a training recipe (it has a `[model]` table): validated as a Recipe, its model prepared
+  exactly as `floe train` would (a tiny model is built and warm-started if the recipe says
+  so), served with the recipe's `[backend]` settings;
+* a file with a `[backend]` table: that table is the BackendConfig;
+* otherwise the whole file is the BackendConfig.
+An optional `[server]` table sets ServerConfig; command-line flags override it. Any other key
+is an error, as everywhere in floe. The token may also come from the FLOE_TOKEN environment
+variable (kept out of `ps`).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Any
 
 import uvicorn
 
-from floe.config import BackendConfig, load_layers, parse_config, parse_override_value
+from floe.config import BackendConfig, load_layers, parse_config, split_recipe_args
 from floe.errors import FloeError, InvalidInput
 from floe.server.auth import check_exposure
 from floe.server.settings import ServerConfig
@@ -29,7 +35,7 @@ log = logging.getLogger("floe.server")
 
 def build_parser(prog: str = "floe serve") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Serve a floe backend over HTTP (see docs/remote.md).")
-    p.add_argument("config", nargs="+", help="CONFIG.toml, then optional @OVERLAY.toml files and key=value overrides")
+    p.epilog = "CONFIG.toml [@ OVERLAY.toml ...] [--section.key VALUE ...] come first, as for `floe train`."
     p.add_argument("--host", help="address to listen on (default 127.0.0.1); non-loopback needs a token")
     p.add_argument("--port", type=int, help="port (default 7000; 0 = any free port)")
     p.add_argument("--token", help="bearer token clients must send (default: $FLOE_TOKEN)")
@@ -41,14 +47,39 @@ def build_parser(prog: str = "floe serve") -> argparse.ArgumentParser:
     return p
 
 
-def load_serve_config(items: list[str], args: argparse.Namespace) -> tuple[BackendConfig, ServerConfig]:
+def parse_serve_args(argv: list[str]) -> tuple[list[str], dict[str, Any], argparse.Namespace]:
+    """(config files, dotted overrides, flags) from the command line."""
+    files, overrides, rest = split_recipe_args(argv)
+    args = build_parser().parse_args(rest)
+    if not files:
+        raise InvalidInput("CONFIG", "give a config or recipe TOML file")
+    return files, overrides, args
+
+
+def backend_from(data: dict[str, Any]) -> BackendConfig:
+    """The BackendConfig a merged serve config describes (see the module docstring)."""
+    if "model" in data and isinstance(data["model"], dict):
+        from floe.rl.config import Recipe  # noqa: PLC0415 - only recipes need the RL package
+        from floe.rl.warmstart import prepare_model  # noqa: PLC0415
+
+        recipe = parse_config(Recipe, data, "recipe")
+        state_dir = recipe.backend.get("state_dir", str(Path(recipe.output.run_dir) / "states"))
+        return recipe.backend_config(prepare_model(recipe), state_dir)
+    if "backend" in data:
+        extra = sorted(set(data) - {"backend"})
+        if extra:
+            raise InvalidInput(extra[0], "unknown table; a serve config has [backend] and [server] only")
+        return parse_config(BackendConfig, data["backend"], "backend")
+    return parse_config(BackendConfig, data, "backend")
+
+
+def load_serve_config(
+    files: list[str], overrides: dict[str, Any], args: argparse.Namespace
+) -> tuple[BackendConfig, ServerConfig]:
     """(backend config, server config) from files, overlays, overrides and flags."""
-    paths = [item.removeprefix("@") for item in items if "=" not in item]
-    overrides = {k: parse_override_value(v) for k, _, v in (item.partition("=") for item in items if "=" in item)}
-    data = load_layers(paths, overrides)
+    data = load_layers(files, overrides)
     server_data: dict[str, Any] = data.pop("server", {}) if isinstance(data.get("server"), dict) else {}
-    backend_data = data["backend"] if isinstance(data.get("backend"), dict) else data
-    backend = parse_config(BackendConfig, backend_data, "backend")
+    backend = backend_from(data)
     flags = {"host": args.host, "port": args.port, "token": args.token or os.environ.get("FLOE_TOKEN"),
              "max_request_mb": args.max_request_mb, "log_level": args.log_level}
     server = parse_config(ServerConfig, {**server_data, **{k: v for k, v in flags.items() if v is not None}}, "server")
@@ -62,9 +93,9 @@ def latest_state(state_dir: Path) -> str | None:
 
 
 def serve_main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
     try:
-        backend_config, server_config = load_serve_config(args.config, args)
+        files, overrides, args = parse_serve_args(argv)
+        backend_config, server_config = load_serve_config(files, overrides, args)
         check_exposure(server_config.host, server_config.token)
         if args.resume_from and not (Path(backend_config.state_dir) / args.resume_from / "state.json").is_file():
             raise InvalidInput("--resume-from", f"no saved state {args.resume_from!r} in {backend_config.state_dir}")
