@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
+
+import pytest
+import torch
+from transformers import DynamicCache
+
 import floe
+from floe.backend.kv_cache import PreallocatedLayer, preallocated_cache
+from floe.models.loading import load_model
 from tests.conftest import backend_of
 
 
@@ -112,3 +120,46 @@ def test_top_k_one_is_greedy(make_client):
             nxt = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
         assert nxt == t
         ids.append(t)
+
+
+def test_preallocated_cache_matches_dynamic_cache(tiny_model):
+    """Prefill, repeat per sample, decode, drop rows, decode: same logits as transformers' DynamicCache."""
+    torch.manual_seed(0)
+    model = load_model(str(tiny_model)).eval()
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    ids = torch.randint(3, model.config.vocab_size, (2, 6))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    n, steps = 3, 5
+    runs = []
+    for cache in (DynamicCache(config=model.config), preallocated_cache(model.config, capacity=6 + steps)):
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{kw: cache})
+            cache.batch_repeat_interleave(n)
+            m, pos = mask.repeat_interleave(n, 0), positions[:, -1:].repeat_interleave(n, 0) + 1
+            logits = [out.logits[:, -1].repeat_interleave(n, 0)]
+            tok = torch.arange(2 * n).unsqueeze(-1) + 5
+            for step in range(steps):
+                if step == 2:  # rows 0, 3 and 4 finished
+                    keep = torch.tensor([1, 2, 5])
+                    cache.batch_select_indices(keep)
+                    m, pos, tok = m[keep], pos[keep], tok[keep]
+                m = torch.cat([m, torch.ones_like(m[:, :1])], 1)
+                out = model(input_ids=tok, attention_mask=m, position_ids=pos, use_cache=True, **{kw: cache})
+                logits.append(out.logits[:, -1])
+                pos, tok = pos + 1, tok + 1
+        runs.append(logits)
+    assert all(isinstance(layer, PreallocatedLayer) for layer in cache.layers)
+    assert cache.get_seq_length() == 6 + steps
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_cache_capacity_is_enforced():
+    layer = PreallocatedLayer(capacity=4)
+    layer.update(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8))
+    layer.update(torch.ones(1, 2, 1, 8), torch.ones(1, 2, 1, 8))
+    assert layer.get_seq_length() == 4 and layer.keys[0, 0, -1, 0] == 1
+    with pytest.raises(RuntimeError, match="capacity"):
+        layer.update(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8))

@@ -1,4 +1,4 @@
-"""The `floe` command: train | sft | eval | serve | plot.
+"""The `floe` command: train | sft | eval | serve | plot. (Benchmarks are scripts in benchmarks/.)
 
 Recipes are TOML files; more files can be layered with `@ OVERLAY.toml` and single keys set
 with `--section.key value` (TOML syntax for the value). Unknown keys are errors.
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from floe.config import load_layers, parse_config, split_recipe_args
-from floe.errors import InvalidInput
+from floe.errors import FloeError, InvalidInput
 
 USAGE_RECIPE = """recipe arguments:
   RECIPE.toml [@ OVERLAY.toml ...] [--section.key VALUE ...]
@@ -106,7 +106,7 @@ def cmd_eval(argv: list[str]) -> int:
     from floe.rl.warmstart import prepare_model
 
     model = prepare_model(recipe)
-    client = floe.connect(recipe.backend_config(model, str(Path(recipe.output.run_dir) / "states")))
+    client = floe.connect(recipe.backend_config(model))
     if opts.checkpoint:
         client.load_state(opts.checkpoint)
     family = make_family(recipe.env.name, **recipe.env.options)
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     try:
         return COMMANDS[argv[0]](argv[1:])
-    except (InvalidInput, FileExistsError, FileNotFoundError) as e:
+    except (FloeError, FileExistsError, FileNotFoundError) as e:
         print(f"floe {argv[0]}: error: {e}", file=sys.stderr)
         return 2
 

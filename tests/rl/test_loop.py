@@ -115,3 +115,20 @@ def test_wandb_without_the_package_is_a_clear_error(recipe_file, monkeypatch):
     recipe, _ = load_recipe([recipe_file(steps=1, name="wb"), "--output.wandb", "true"])
     with pytest.raises(RuntimeError, match=r"pip install 'floe\[wandb\]'"):
         train(recipe, progress=False)
+
+
+def test_staleness_is_measured_from_the_backends_own_version(recipe_file, tmp_path):
+    """A backend that synced before the run (a long-lived server) still shows staleness 0 in
+    synchronous mode: staleness counts versions behind, not absolute versions."""
+    import floe
+    from floe.rl import Trainer
+    from floe.rl.warmstart import prepare_model
+
+    recipe, _ = load_recipe([recipe_file(steps=2, name="presynced")])
+    client = floe.connect(recipe.backend_config(prepare_model(recipe)))
+    client.sync_weights()
+    client.sync_weights()
+    summary = Trainer(recipe, progress=False).run(client)
+    records = [r for r in read_jsonl(Path(summary.run_dir) / "metrics.jsonl") if r["step"] > 0]
+    assert [r["staleness_max"] for r in records] == [0, 0]
+    assert [r["weights_version"] for r in records] == [3, 4]

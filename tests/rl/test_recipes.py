@@ -18,7 +18,7 @@ def test_recipe_validates(path):
     recipe, rest = load_recipe([str(path)])
     assert rest == []
     make_family(recipe.env.name, **recipe.env.options)  # env options are valid too
-    recipe.backend_config("model", "states")
+    recipe.backend_config("model")
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=[p.stem for p in OVERLAYS])

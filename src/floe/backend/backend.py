@@ -19,7 +19,7 @@ import torch
 from floe.backend.policy import PolicyZone
 from floe.backend.reference import ReferenceZone
 from floe.backend.sampler import SamplerZone
-from floe.backend.state import atomic_directory, check_state_name, read_state, save_state
+from floe.backend.state import atomic_directory, check_state_name, read_state, recover, save_state
 from floe.backend.validation import validate_batch, validate_prompts
 from floe.backend.weights import copy_weights
 from floe.compute.losses import resolve_loss
@@ -38,6 +38,9 @@ from floe.types import (
     StateResult,
     SyncResult,
 )
+
+
+EXPORT_MARKER = "floe_export.json"
 
 
 def as_batch(batch: Any) -> Batch:
@@ -101,6 +104,10 @@ class Backend:
         params = params if params is not None else SamplingParams()
         with self._holding("sampler"):
             validate_prompts(prompts, n, params, self.vocab_size, self.max_context)
+            if n > self.sampler.max_batch_sequences:
+                raise InvalidInput(
+                    "n", f"{n} samples per prompt exceed sampler.max_batch_sequences ({self.sampler.max_batch_sequences})"
+                )
             return self.sampler.sample(prompts, n, params)
 
     def forward(
@@ -110,12 +117,14 @@ class Backend:
         with self._holding("reference" if zone == "reference" else "policy"):
             temperature = _check_temperature(temperature)
             validate_batch(batch, self.vocab_size, self.max_context)
+            if type(with_entropy) is not bool:
+                raise InvalidInput("with_entropy", f"must be true or false, got {with_entropy!r}")
             if zone == "policy":
-                return self.policy.forward(batch, temperature, bool(with_entropy))
+                return self.policy.forward(batch, temperature, with_entropy)
             if zone == "reference":
                 if self.reference is None:
                     raise InvalidInput("zone", "the reference zone is disabled (reference.enabled = false)")
-                return self.reference.forward(batch, temperature, bool(with_entropy))
+                return self.reference.forward(batch, temperature, with_entropy)
             raise InvalidInput("zone", f"must be 'policy' or 'reference', got {zone!r}")
 
     def forward_backward(
@@ -139,8 +148,6 @@ class Backend:
     def sync_weights(self) -> SyncResult:
         with self._holding("policy", "sampler"):
             report = copy_weights(self.policy.model, self.sampler.model)
-            if not report.verified:
-                raise StateError(f"sync_weights: fingerprints differ after copy for {list(report.mismatched)[:5]}")
             self.sampler.version += 1
             return SyncResult(self.sampler.version, report.bytes, report.seconds, report.verified)
 
@@ -181,17 +188,27 @@ class Backend:
     def list_states(self) -> list[str]:
         if not self.state_dir.is_dir():
             return []
+        for old in self.state_dir.glob(".*.old-*"):  # finish swaps a crash interrupted
+            recover(self.state_dir / old.name[1:].split(".old-")[0])
         return sorted(p.name for p in self.state_dir.iterdir() if (p / "state.json").is_file() and not p.name.startswith("."))
 
     def export_hf(self, path: str) -> str:
-        """Write the policy as an ordinary HF model directory (weights + config + tokenizer)."""
+        """Write the policy as an ordinary HF model directory (weights + config + tokenizer).
+
+        The target must be new, empty, or an earlier floe export (it carries EXPORT_MARKER):
+        an export never replaces a directory floe did not write."""
         with self._holding("policy"):
             if not isinstance(path, str) or not path:
                 raise InvalidInput("path", "must be a non-empty directory path")
             target = Path(path)
+            if target.exists() and not (
+                target.is_dir() and (not any(target.iterdir()) or (target / EXPORT_MARKER).is_file())
+            ):
+                raise InvalidInput("path", f"{path} exists and is not an earlier floe export; choose a new or empty directory")
             with atomic_directory(target) as tmp:
                 self.policy.model.save_pretrained(tmp, safe_serialization=True)
                 self.tokenizer.save_pretrained(tmp)
+                (tmp / EXPORT_MARKER).write_text(f'{{"step": {self.policy.step}, "model": "{self.config.model}"}}\n')
             return str(target)
 
     def info(self) -> Info:

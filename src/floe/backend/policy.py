@@ -37,10 +37,17 @@ def lr_at(step: int, cfg: OptimizerConfig) -> float:
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
-    """RL log-probs must be deterministic functions of the weights: no dropout, ever."""
+    """RL log-probs must be deterministic functions of the weights: no dropout, ever.
+
+    Besides nn.Dropout modules, attention modules keep their own float rate (copied from the
+    config when built) and apply it whenever the model is in train mode, which gradient
+    checkpointing requires; those attributes are zeroed too."""
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
+        for name, value in vars(module).items():
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
     for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
         if isinstance(getattr(model.config, key, None), float):
             setattr(model.config, key, 0.0)
@@ -75,46 +82,70 @@ class PolicyZone:
         return score_batch(self.model, batch, temperature, with_entropy, self.compute)
 
     def forward_backward(self, batch: Batch, spec: LossSpec, temperature: float) -> ForwardBackwardResult:
+        try:
+            logprobs, parts_metrics = self._accumulate(batch, spec, temperature)
+        except BaseException:
+            # Some micro-batches may already have added gradients; a partial sum must never reach
+            # a later optim_step, so everything accumulated since the last step is dropped.
+            self.discard_gradients()
+            raise
+        self.pending_calls += 1
+        metrics = finalize_metrics(parts_metrics)
+        metrics["samples"] = float(batch.num_samples)
+        return ForwardBackwardResult(metrics, logprobs, spec.name, spec.resolved())
+
+    def _accumulate(
+        self, batch: Batch, spec: LossSpec, temperature: float
+    ) -> tuple[list[list[list[float]]], list[dict[str, float]]]:
+        """Loss and backward per micro-batch; returns the policy log-probs and metric sums."""
         device = next(self.model.parameters()).device
         samples = [s for g in batch.groups for s in g.samples]
-        lengths = [len(s.tokens) for s in samples]
         weight_sums = [float(sum(s.weights)) if s.weights is not None else float(len(s.tokens)) for s in samples]
-        scales = aggregation_scales(lengths, weight_sums, spec.config.aggregation, spec.config.norm_length)
-        flat_index = {}
-        k = 0
-        for gi, g in enumerate(batch.groups):
-            for si in range(len(g.samples)):
-                flat_index[(gi, si)] = k
-                k += 1
-
+        scales = aggregation_scales(
+            [len(s.tokens) for s in samples], weight_sums, spec.config.aggregation, spec.config.norm_length
+        )
+        first_of_group = [0]
+        for g in batch.groups:
+            first_of_group.append(first_of_group[-1] + len(g.samples))
         logprobs: list[list[list[float]]] = [[[] for _ in g.samples] for g in batch.groups]
-        parts_metrics = []
+        parts_metrics: list[dict[str, float]] = []
         for mb in plan_batch(batch, self.compute, uses_prefix_dedup(self.model, self.compute), self.model):
             scored = score_microbatch(self.model, batch, mb, temperature, True, self.compute)
             mb_samples = [(p.group, i) for p in mb.parts for i in p.samples]
-            logp = torch.cat([lp for part in scored for lp in part.logprobs])
+            sample_logps = [lp for part in scored for lp in part.logprobs]
             entropy = torch.cat([e for part in scored for e in (part.entropy or [])])
-            inputs = _token_inputs(batch, mb_samples, [scales[flat_index[key]] for key in mb_samples], logp, entropy, spec, device)
+            mb_scales = [scales[first_of_group[g] + i] for g, i in mb_samples]
+            inputs = _token_inputs(batch, mb_samples, mb_scales, torch.cat(sample_logps), entropy, spec, device)
             loss, sums = compute_loss(spec, inputs)
             loss.backward()
             parts_metrics.append(sums)
-            for (gi, si), lp in zip(mb_samples, [lp for part in scored for lp in part.logprobs]):
+            for (gi, si), lp in zip(mb_samples, sample_logps):
                 logprobs[gi][si] = lp.detach().tolist()
-        self.pending_calls += 1
-        metrics = finalize_metrics(parts_metrics)
-        metrics["samples"] = float(len(samples))
-        return ForwardBackwardResult(metrics, logprobs, spec.name, spec.resolved())
+        return logprobs, parts_metrics
+
+    def discard_gradients(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.pending_calls = 0
 
     def optim_step(self) -> OptimStepResult:
         if self.pending_calls == 0:
             raise StateError("optim_step: no forward_backward since the last step; nothing to apply")
-        max_norm = self.optimizer_config.grad_clip or float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        grads = [p.grad for p in self.params if p.grad is not None]
+        grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
         if not math.isfinite(grad_norm):
+            # Nothing can be applied from a non-finite sum; keeping it would block every later step.
+            self.discard_gradients()
             raise StateError(
-                f"optim_step: gradient norm is {grad_norm}; the step was not applied. "
-                "Inspect the last forward_backward inputs, then call zero_grad via load_state or a new step."
+                f"optim_step: the accumulated gradient norm is {grad_norm}; the step was not applied and the "
+                "accumulated gradients were discarded (weights, optimizer state and step are unchanged). "
+                "Check the advantages and weights of the last forward_backward calls."
             )
+        max_norm = self.optimizer_config.grad_clip
+        if max_norm is not None and grad_norm > max_norm:
+            # Same factor as torch.nn.utils.clip_grad_norm_, applied only once the norm is known finite.
+            scale = max_norm / (grad_norm + 1e-6)
+            for g in grads:
+                g.mul_(scale)
         lr = lr_at(self.step, self.optimizer_config)
         for group in self.optimizer.param_groups:
             group["lr"] = lr

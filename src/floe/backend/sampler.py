@@ -5,6 +5,10 @@ is prefilled once (left-padded with its chunk-mates), then its KV cache is repea
 samples, so the prompt costs one prefill however large n is. Decoding runs all rows of the
 chunk together; finished rows are dropped from the cache as they stop.
 
+The KV cache (`kv_cache.preallocated_cache`) and the attention mask are allocated once per
+chunk for prompt width + max_tokens positions, so a decode step writes one position instead
+of re-concatenating the whole cache.
+
 Log-probs are those of the temperature-scaled distribution before top-k/top-p filtering, the
 same quantity the policy's `forward(temperature=...)` computes.
 """
@@ -15,8 +19,9 @@ import inspect
 import time
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from floe.backend.kv_cache import preallocated_cache
 from floe.types import SampledGroup, SampledSequence, SampleResult, SamplingParams
 
 
@@ -80,12 +85,16 @@ class SamplerZone:
         width = max(len(p) for p in prompts)
         pad = self.tokenizer.pad_token_id or 0
         ids = torch.full((len(prompts), width), pad, dtype=torch.long, device=dev)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long, device=dev)
+        # Preallocated like the cache: prompt (left padding = 0) then one column per new token.
+        # A column is set to 1 just before the step that fills that cache position; the model
+        # sees `full_mask[:, :length]`.
+        full_mask = torch.zeros((len(prompts), width + params.max_tokens), dtype=torch.long, device=dev)
         for i, p in enumerate(prompts):
             ids[i, width - len(p) :] = torch.tensor(p, device=dev)
-            mask[i, width - len(p) :] = 1
+            full_mask[i, width - len(p) : width] = 1
+        mask = full_mask[:, :width]
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
-        cache = DynamicCache(config=self.model.config)
+        cache = preallocated_cache(self.model.config, capacity=width + params.max_tokens)
         out = self.model(
             input_ids=ids, attention_mask=mask, position_ids=positions,
             use_cache=True, logits_to_keep=1, **{self._cache_kw: cache},
@@ -93,8 +102,9 @@ class SamplerZone:
         # Share each prompt's prefill among its n samples.
         cache.batch_repeat_interleave(n)
         logits = out.logits[:, -1, :].float().repeat_interleave(n, dim=0)
-        mask = mask.repeat_interleave(n, dim=0)
+        full_mask = full_mask.repeat_interleave(n, dim=0)
         next_pos = positions[:, -1:].repeat_interleave(n, dim=0) + 1
+        length = width  # positions in the cache (and mask columns in use)
 
         rows = len(prompts) * n
         tokens: list[list[int]] = [[] for _ in range(rows)]
@@ -128,11 +138,12 @@ class SamplerZone:
             if len(keep) < len(alive):
                 index = torch.tensor(keep, device=dev)
                 cache.batch_select_indices(index)
-                chosen, mask, next_pos = chosen[index], mask[index], next_pos[index]
+                chosen, full_mask, next_pos = chosen[index], full_mask[index], next_pos[index]
                 alive = [alive[j] for j in keep]
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            full_mask[:, length] = 1
+            length += 1
             out = self.model(
-                input_ids=chosen.unsqueeze(-1), attention_mask=mask, position_ids=next_pos,
+                input_ids=chosen.unsqueeze(-1), attention_mask=full_mask[:, :length], position_ids=next_pos,
                 use_cache=True, **{self._cache_kw: cache},
             )
             logits = out.logits[:, -1, :].float()

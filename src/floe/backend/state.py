@@ -53,15 +53,42 @@ def atomic_directory(final: Path) -> "_AtomicDir":
     return _AtomicDir(final)
 
 
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def recover(final: Path) -> None:
+    """Finish an interrupted swap: if `final` is missing but its previous version was moved
+    aside (a crash between the two renames), move that version back."""
+    if final.exists():
+        return
+    for old in sorted(final.parent.glob(f".{final.name}.old-*")):
+        if (old / "state.json").is_file() or (old / "config.json").is_file():
+            os.replace(old, final)
+            return
+
+
 class _AtomicDir:
-    """Context manager: yields a temp dir next to `final`; on success swaps it into place."""
+    """Context manager: yields a temp dir next to `final`; on success swaps it into place.
+
+    The swap is two renames (old aside, new in); a crash between them is repaired by
+    `recover`, which every reader calls first. Leftover temp dirs of a crashed write are removed.
+    """
 
     def __init__(self, final: Path):
         self.final = final
 
     def __enter__(self) -> Path:
         self.final.parent.mkdir(parents=True, exist_ok=True)
+        recover(self.final)
+        for stale in self.final.parent.glob(f".{self.final.name}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
         self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.final.name}.tmp-", dir=self.final.parent))
+        self.tmp.chmod(0o755)  # mkdtemp's 0o700 would make shared checkpoints unreadable to others
         return self.tmp
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -77,6 +104,7 @@ class _AtomicDir:
             shutil.rmtree(old, ignore_errors=True)
             os.replace(self.final, old)
         os.replace(self.tmp, self.final)
+        _fsync_dir(self.final.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -118,6 +146,7 @@ def save_state(
 
 def read_state(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> LoadedState:
     """Read and check a saved state against the live model; raises before anything changes."""
+    recover(directory)
     if not (directory / "state.json").is_file():
         raise StateError(f"load_state: no saved state at {directory}")
     meta = json.loads((directory / "state.json").read_text())

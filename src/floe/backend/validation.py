@@ -73,6 +73,9 @@ def _validate_sample(
         value = getattr(sample, name)
         if value is not None:
             _check_floats(f"{sf}.{name}", value, n)
+    if sample.weights is not None and min(sample.weights) < 0:
+        # Weights scale and mask tokens; a negative one would make the mean denominators meaningless.
+        raise InvalidInput(f"{sf}.weights", "must be >= 0 (a per-token scale or 0/1 mask); put signs in the advantage")
     if sample.advantage is not None:
         if isinstance(sample.advantage, list):
             _check_floats(f"{sf}.advantage", sample.advantage, n)
@@ -128,5 +131,7 @@ def validate_sampling_params(params: Any, vocab_size: int) -> None:
         raise InvalidInput("params.stop_token_ids", f"must be a list of token ids in [0, {vocab_size})")
     if not isinstance(params.stop, list) or not all(isinstance(s, str) and s for s in params.stop):
         raise InvalidInput("params.stop", "must be a list of non-empty strings")
+    if type(params.stop_at_eos) is not bool:
+        raise InvalidInput("params.stop_at_eos", f"must be true or false, got {params.stop_at_eos!r}")
     if params.seed is not None and type(params.seed) is not int:
         raise InvalidInput("params.seed", f"must be an integer or None, got {params.seed!r}")

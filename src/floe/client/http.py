@@ -59,7 +59,15 @@ class HttpTransport:
         with self._seq_lock:
             seq = next(self._seq)
         headers = {"Content-Type": wire.MEDIA_TYPE, wire.CLIENT_HEADER: self.client_id, wire.SEQ_HEADER: str(seq)}
-        response = self.request("POST", f"/api/{op}", content=body, headers=headers)
+        try:
+            response = self.request("POST", f"/api/{op}", content=body, headers=headers)
+        except RemoteUnavailable:
+            # The server may never have seen this sequence number; later calls would wait for it
+            # forever. Continue on a fresh stream (new client id); this call's outcome is unknown.
+            with self._seq_lock:
+                self.client_id = uuid.uuid4().hex
+                self._seq = itertools.count(1)
+            raise
         return wire.decode_result(op, response.content)
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:

@@ -250,7 +250,6 @@ def compute_loss(spec: LossSpec, x: TokenInputs) -> tuple[torch.Tensor, dict[str
             "tokens": float(n_active),
             "weight_sum": float(x.weights.sum()),
             "clipped_tokens": float((clipped & active).sum()),
-            "policy_loss_sum": float((loss_tok * x.weights).sum()),
         }
         if x.entropy is not None:
             sums["entropy_sum"] = float(x.entropy[active].sum())

@@ -6,6 +6,7 @@ A recipe is a TOML file (plus `@` overlays and `--section.key value` overrides, 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -100,7 +101,8 @@ class OutputConfig(StrictModel):
 
 
 class Recipe(StrictModel):
-    """Everything a run needs. `backend` is a BackendConfig without `model` (set by [model])."""
+    """Everything a run needs. `backend` is a BackendConfig without `model` (set by [model]);
+    its `state_dir` defaults to <output.run_dir>/states."""
 
     model: ModelConfig
     warm_start: WarmStartConfig | None = None
@@ -117,5 +119,10 @@ class Recipe(StrictModel):
         BackendConfig.model_validate({"model": "x", **self.backend})  # fail early on bad keys
         return self
 
-    def backend_config(self, model_path: str, state_dir: str) -> BackendConfig:
-        return BackendConfig.model_validate({**self.backend, "model": model_path, "state_dir": state_dir})
+    @property
+    def state_dir(self) -> str:
+        """backend.state_dir when the recipe sets it, else <output.run_dir>/states."""
+        return self.backend.get("state_dir") or str(Path(self.output.run_dir) / "states")
+
+    def backend_config(self, model_path: str) -> BackendConfig:
+        return BackendConfig.model_validate({**self.backend, "model": model_path, "state_dir": self.state_dir})

@@ -8,8 +8,9 @@ sample records the weights version that produced it; staleness = trainer step - 
 
 Runs are resumable: a checkpoint saves the backend state and `loop_state.json`; `--resume`
 loads the latest, truncates the JSONL outputs to that step and continues with the next one.
-Step i's tasks and sampling seed derive from (seed, i), so a resumed run is the run it would
-have been.
+Step i's tasks and sampling seed derive from (seed, i), so a resumed synchronous run is the
+run it would have been (with k > 0, which version a batch is sampled with depends on thread
+timing, within the bound).
 """
 
 from __future__ import annotations
@@ -104,8 +105,8 @@ class Trainer:
         tmp = self.run_dir / "loop_state.json.tmp"
         tmp.write_text(json.dumps({"step": step, "checkpoint": name}))
         tmp.replace(self.run_dir / "loop_state.json")
-        states = self.run_dir / "states"
-        if states.is_dir():  # prune old checkpoints of an embedded backend
+        states = Path(self.recipe.state_dir)
+        if states.is_dir():  # prune old checkpoints of an embedded backend (a remote one keeps them)
             old = sorted(p for p in states.iterdir() if p.name.startswith("step_"))
             for p in old[: -self.recipe.output.keep_checkpoints]:
                 shutil.rmtree(p, ignore_errors=True)
@@ -120,7 +121,7 @@ class Trainer:
         own_client = client is None
         if client is None:
             model_path = prepare_model(recipe, ui.warm_start)
-            client = floe.connect(recipe.backend_config(model_path, str(self.run_dir / "states")))
+            client = floe.connect(recipe.backend_config(model_path))
         family = make_family(recipe.env.name, **recipe.env.options)
         renderer = Renderer(client.tokenizer())
         scorer = ThreadPoolExecutor(max_workers=8, thread_name_prefix="floe-score")
@@ -128,6 +129,9 @@ class Trainer:
                                recipe.output.tensorboard, recipe.output.wandb_project)
         eval_tasks = family.tasks("eval", recipe.eval.size, recipe.eval.seed)
         done = self._resume_point(client)
+        # The sampler version trained step i would have if every earlier step synced once: the
+        # reference for staleness, also on a backend that synced before this run started.
+        self._version_base = client.info().sampler_version - done
         eval_rewards = {r["step"]: r["eval/reward_mean"] for r in read_jsonl(self.run_dir / "metrics.jsonl") if "eval/reward_mean" in r}
         if done == 0:
             ev = evaluate(client, family, eval_tasks, recipe, renderer, scorer)
@@ -200,7 +204,7 @@ class Trainer:
         batch, dropped = build_training_batch(groups, tr.advantage)
         rewards = [e.reward for e in rollouts.episodes]
         versions = [t.weights_version for e in rollouts.episodes for t in e.turns]
-        info_step = i  # the policy has taken one optimizer round per loop step before this one
+        current = self._version_base + i  # the version the policy had when step i began
         record: dict[str, Any] = {
             "step": i + 1,
             "reward_mean": statistics.fmean(rewards),
@@ -208,8 +212,8 @@ class Trainer:
             f"reward/{self.recipe.env.name}_mean": statistics.fmean(rewards),
             "groups_dropped": dropped,
             "tokens_sampled": sum(len(t.tokens) for e in rollouts.episodes for t in e.turns),
-            "staleness_mean": statistics.fmean(info_step - v for v in versions),
-            "staleness_max": max(info_step - v for v in versions),
+            "staleness_mean": statistics.fmean(current - v for v in versions),
+            "staleness_max": max(current - v for v in versions),
             "weights_version_min": min(versions),
             "time/sample": rollouts.sample_seconds,
             "time/score": rollouts.score_seconds,

@@ -16,7 +16,9 @@ def truncate_jsonl(path: Path, last_step: int) -> None:
     if not path.exists():
         return
     kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= last_step]
-    path.write_text("".join(line + "\n" for line in kept))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)  # a crash during resume leaves the old file, never a half-written one
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -63,8 +63,7 @@ def backend_from(data: dict[str, Any]) -> BackendConfig:
         from floe.rl.warmstart import prepare_model  # noqa: PLC0415
 
         recipe = parse_config(Recipe, data, "recipe")
-        state_dir = recipe.backend.get("state_dir", str(Path(recipe.output.run_dir) / "states"))
-        return recipe.backend_config(prepare_model(recipe), state_dir)
+        return recipe.backend_config(prepare_model(recipe))
     if "backend" in data:
         extra = sorted(set(data) - {"backend"})
         if extra:
