@@ -16,7 +16,7 @@ import random
 from typing import Any
 
 import torch
-from common import image_path, progress_bar, summary, tiny_model_dir, time_interleaved, write_json
+from common import model_arguments, progress_bar, summary, tiny_model_dir, time_interleaved, two_bar_chart, write_json
 
 from floe.backend.sampler import SamplerZone
 from floe.models.loading import load_model, load_tokenizer
@@ -55,36 +55,22 @@ def run_config(model_dir: str, P: int, R: int, n: int, prompts: int, reps: int, 
 
 
 def plot(results: list[dict[str, Any]], name: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    x = range(len(results))
-    ax.bar([i - 0.2 for i in x], [r["hf_generate"]["tokens_per_s"] for r in results], 0.4, label="transformers generate")
-    ax.bar([i + 0.2 for i in x], [r["floe"]["tokens_per_s"] for r in results], 0.4, label="floe sampler")
-    for i, r in enumerate(results):
-        ax.text(i + 0.2, r["floe"]["tokens_per_s"], f"{r['speedup']:.1f}×", ha="center", va="bottom")
-    ax.set_xticks(list(x), [f"n={r['n']}" for r in results])
-    ax.set_ylabel("generated tokens / s")
-    ax.set_title(f"Sampling, P={results[0]['P']}, R={results[0]['R']}, {results[0]['prompts']} prompt(s)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(image_path(name), dpi=110)
+    two_bar_chart(
+        name, [f"n={r['n']}" for r in results],
+        ("transformers generate", [r["hf_generate"]["tokens_per_s"] for r in results]),
+        [r["floe"]["tokens_per_s"] for r in results], [f"{r['speedup']:.1f}×" for r in results],
+        "generated tokens / s",
+        f"Sampling, P={results[0]['P']}, R={results[0]['R']}, {results[0]['prompts']} prompt(s)",
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1, help="1 is the most stable on a shared 2-core VM")
-    ap.add_argument("--name", default="sampler")
+    model_arguments(ap, "sampler")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = str(tiny_model_dir(args.hidden, args.layers))

@@ -27,6 +27,7 @@ import torch
 from common import (
     grpo_batch,
     image_path,
+    model_arguments,
     progress_bar,
     summary,
     tiny_model_dir,
@@ -167,12 +168,8 @@ def plot(results: list[dict[str, Any]], name: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="3 configurations instead of the full sweep")
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--groups", type=int, default=1)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1, help="1 is the most stable on a shared 2-core VM")
-    ap.add_argument("--name", default="train_step")
+    model_arguments(ap, "train_step")
     ap.add_argument("--config", action="append", default=[], metavar="P,R,N", help="run only these (repeatable)")
     ap.add_argument("--ceilings-only", action="store_true", help="recompute the ceilings in an existing JSON")
     args = ap.parse_args()

@@ -30,7 +30,7 @@ import tempfile
 from typing import Any
 
 import torch
-from common import grpo_batch, image_path, progress_bar, summary, tiny_model_dir, time_interleaved, write_json
+from common import grpo_batch, model_arguments, progress_bar, summary, tiny_model_dir, time_interleaved, two_bar_chart, write_json
 
 from floe.backend.policy import PolicyZone
 from floe.compute.losses import resolve_loss
@@ -139,35 +139,19 @@ def run_config(model_dir: str, P: int, R: int, n: int, groups: int, reps: int, p
 
 
 def plot(results: list[dict[str, Any]], name: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    labels = [f"P{r['P']} R{r['R']} n{r['n']}" for r in results]
-    x = range(len(results))
-    ax.bar([i - 0.2 for i in x], [r["trl"]["min_s"] for r in results], 0.4, label="TRL GRPOTrainer")
-    ax.bar([i + 0.2 for i in x], [r["floe"]["min_s"] for r in results], 0.4, label="floe")
-    for i, r in enumerate(results):
-        ax.text(i, max(r["trl"]["min_s"], r["floe"]["min_s"]), f"{r['speedup']:.1f}×", ha="center", va="bottom")
-    ax.set_xticks(list(x), labels, fontsize=8)
-    ax.set_ylabel("seconds per training step (min of reps)")
-    ax.set_title("GRPO training step, same model / batch / DAPO loss")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(image_path(name), dpi=110)
+    two_bar_chart(
+        name, [f"P{r['P']} R{r['R']} n{r['n']}" for r in results],
+        ("TRL GRPOTrainer", [r["trl"]["min_s"] for r in results]),
+        [r["floe"]["min_s"] for r in results], [f"{r['speedup']:.1f}×" for r in results],
+        "seconds per training step (min of reps)", "GRPO training step, same model / batch / DAPO loss",
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--groups", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1, help="1 is the most stable on a shared 2-core VM")
-    ap.add_argument("--name", default="trl")
+    model_arguments(ap, "trl")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = str(tiny_model_dir(args.hidden, args.layers))

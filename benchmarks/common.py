@@ -8,6 +8,8 @@ docs/img/<name>.png.
 
 from __future__ import annotations
 
+import argparse
+
 import json
 import os
 import platform
@@ -19,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import matplotlib
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -122,3 +125,32 @@ def write_json(name: str, payload: dict[str, Any]) -> Path:
 def image_path(name: str) -> Path:
     IMAGES.mkdir(parents=True, exist_ok=True)
     return IMAGES / f"{name}.png"
+
+
+def model_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    """The options every model benchmark shares: tiny-model size, repetitions, threads, name."""
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="1 is the most stable on a shared 2-core VM")
+    parser.add_argument("--name", default=name, help="results file and plot name")
+
+
+def two_bar_chart(name: str, labels: list[str], baseline: tuple[str, list[float]], floe_values: list[float],
+                  notes: list[str], ylabel: str, title: str) -> None:
+    """Baseline vs floe, one pair of bars per configuration, a note over each floe bar."""
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    x = range(len(labels))
+    ax.bar([i - 0.2 for i in x], baseline[1], 0.4, label=baseline[0])
+    ax.bar([i + 0.2 for i in x], floe_values, 0.4, label="floe")
+    for i, note in enumerate(notes):
+        ax.text(i + 0.2, floe_values[i], note, ha="center", va="bottom")
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(image_path(name), dpi=110)
