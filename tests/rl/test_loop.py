@@ -33,8 +33,8 @@ def test_sync_run_writes_metrics_checkpoints_rollouts_and_plots(recipe_file, cap
         if r["groups_dropped"] < 3:
             for key in ("loss", "entropy", "clip_fraction", "grad_norm", "lr", "tokens_trained"):
                 assert key in r, key
-    assert json.loads((run / "loop_state.json").read_text()) == {"step": 4, "checkpoint": "step_000004"}
-    assert sorted(p.name for p in (run / "states").iterdir()) == ["step_000002", "step_000004"]
+    assert json.loads((run / "loop_state.json").read_text()) == {"step": 4, "checkpoint": "run.step_000004"}
+    assert sorted(p.name for p in (run / "states").iterdir()) == ["run.step_000002", "run.step_000004"]
     rollouts = read_jsonl(run / "rollouts.jsonl")
     assert rollouts and all(r["turns"][0]["completion"] is not None for r in rollouts)
     assert {p.name for p in run.glob("*.png")} >= {"reward.png", "entropy.png"}

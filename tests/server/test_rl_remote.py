@@ -25,5 +25,5 @@ def test_grpo_loop_over_http(start_server, server_model, tmp_path):
     assert all(r["staleness_max"] <= 1 for r in records[1:])
     info = client.info()
     assert info.step == 3 and info.sampler_version == 3
-    assert "step_000003" in client.list_states()  # the final checkpoint lives on the server
+    assert "run.step_000003" in client.list_states()  # the final checkpoint lives on the server
     client.close()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import shutil
 import statistics
 import threading
@@ -73,6 +74,9 @@ class Trainer:
         self.run_dir = Path(recipe.output.run_dir)
         self.resume = resume
         self.show_progress = recipe.output.progress if progress is None else progress
+        # Checkpoint names carry the run's name, so runs sharing one (remote) backend never
+        # overwrite or resume each other's states.
+        self._checkpoint_prefix = re.sub(r"[^A-Za-z0-9_.-]", "_", self.run_dir.resolve().name).lstrip(".") + "."
 
     # -- setup ----------------------------------------------------------------------------
 
@@ -100,14 +104,14 @@ class Trainer:
         return done
 
     def _checkpoint(self, client: floe.Client, step: int) -> None:
-        name = f"step_{step:06d}"
+        name = f"{self._checkpoint_prefix}step_{step:06d}"
         client.save_state(name)
         tmp = self.run_dir / "loop_state.json.tmp"
         tmp.write_text(json.dumps({"step": step, "checkpoint": name}))
         tmp.replace(self.run_dir / "loop_state.json")
         states = Path(self.recipe.state_dir)
         if states.is_dir():  # prune old checkpoints of an embedded backend (a remote one keeps them)
-            old = sorted(p for p in states.iterdir() if p.name.startswith("step_"))
+            old = sorted(p for p in states.iterdir() if p.name.startswith(f"{self._checkpoint_prefix}step_"))
             for p in old[: -self.recipe.output.keep_checkpoints]:
                 shutil.rmtree(p, ignore_errors=True)
 
