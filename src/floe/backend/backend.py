@@ -19,7 +19,7 @@ import torch
 from floe.backend.policy import PolicyZone
 from floe.backend.reference import ReferenceZone
 from floe.backend.sampler import SamplerZone
-from floe.backend.state import atomic_directory, check_state_name, read_state, recover, save_state
+from floe.backend.state import atomic_directory, check_state_name, read_state, recover_all, save_state
 from floe.backend.validation import validate_batch, validate_prompts
 from floe.backend.weights import copy_weights
 from floe.compute.losses import resolve_loss
@@ -149,7 +149,7 @@ class Backend:
         with self._holding("policy", "sampler"):
             report = copy_weights(self.policy.model, self.sampler.model)
             self.sampler.version += 1
-            return SyncResult(self.sampler.version, report.bytes, report.seconds, report.verified)
+            return SyncResult(self.sampler.version, report.bytes, report.seconds, verified=True)
 
     def save_state(self, name: str) -> StateResult:
         with self._holding("policy", "sampler"):
@@ -188,8 +188,7 @@ class Backend:
     def list_states(self) -> list[str]:
         if not self.state_dir.is_dir():
             return []
-        for old in self.state_dir.glob(".*.old-*"):  # finish swaps a crash interrupted
-            recover(self.state_dir / old.name[1:].split(".old-")[0])
+        recover_all(self.state_dir)
         return sorted(p.name for p in self.state_dir.iterdir() if (p / "state.json").is_file() and not p.name.startswith("."))
 
     def export_hf(self, path: str) -> str:

@@ -72,6 +72,12 @@ def recover(final: Path) -> None:
             return
 
 
+def recover_all(parent: Path) -> None:
+    """`recover` every entry of `parent` whose swap a crash interrupted."""
+    for old in parent.glob(".*.old-*"):
+        recover(parent / old.name[1:].split(".old-")[0])
+
+
 class _AtomicDir:
     """Context manager: yields a temp dir next to `final`; on success swaps it into place.
 
