@@ -1,6 +1,13 @@
-"""floe's error types. Every input error names the offending field and says how to fix it."""
+"""floe's error types. Every input error names the offending field and says how to fix it.
+
+Every error here survives `pickle` (Ray moves exceptions between processes): each class
+rebuilds itself from the arguments its constructor takes (`__reduce__`). Nothing is pickled
+on floe's own wire; HTTP errors travel as JSON (floe.protocol.errors).
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 
 class FloeError(Exception):
@@ -18,6 +25,9 @@ class InvalidInput(FloeError, ValueError):
         self.field = field
         self.message = message
         super().__init__(f"{field}: {message}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.field, self.message))
 
     def to_dict(self) -> dict[str, str]:
         return {"error": "invalid_input", "field": self.field, "message": self.message}
