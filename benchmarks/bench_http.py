@@ -32,7 +32,7 @@ import numpy as np
 import floe
 from floe import Batch, Group, Sample
 from floe.models import make_tiny
-from floe.server import wire
+from floe.protocol import wire
 from floe.types import ForwardBackwardResult
 
 

@@ -1,4 +1,4 @@
-"""Sampler throughput: floe's sampler zone against transformers `generate`, same model.
+"""Sampler throughput: floe's torch sampler engine against transformers `generate`, same model.
 
 Both sample `--prompts` prompts of P tokens, n completions each, exactly R new tokens per
 completion (no stopping: floe `stop_at_eos=False`; HF `min_new_tokens = max_new_tokens = R`, `use_cache=True`),
@@ -16,25 +16,25 @@ import random
 from typing import Any
 
 import torch
-from common import model_arguments, progress_bar, summary, tiny_model_dir, time_interleaved, two_bar_chart, write_json
+from common import model_arguments, progress_bar, summary, time_interleaved, tiny_model_dir, two_bar_chart, write_json
 
-from floe.backend.sampler import SamplerZone
 from floe.models.loading import load_model, load_tokenizer
+from floe.sampler.torch_engine import TorchEngine
 from floe.types import SamplingParams
 
 
 def run_config(model_dir: str, P: int, R: int, n: int, prompts: int, reps: int, progress) -> dict[str, Any]:
     model = load_model(model_dir)
     tok = load_tokenizer(model_dir)
-    zone = SamplerZone(load_model(model_dir), tok, max_batch_sequences=256, seed=0)
+    engine = TorchEngine(load_model(model_dir), tok, max_batch_sequences=256)
     rng = random.Random(P + n)
     batch = [[rng.randrange(8, model.config.vocab_size) for _ in range(P)] for _ in range(prompts)]
     params = SamplingParams(max_tokens=R, temperature=1.0, stop_at_eos=False, seed=0)
     ids = torch.tensor(batch)
 
     def floe_run() -> None:
-        out = zone.sample(batch, n, params)
-        assert out.num_tokens == prompts * n * R
+        groups = engine.generate(batch, n, params, seed=0, version=0)
+        assert sum(len(s.tokens) for g in groups for s in g.samples) == prompts * n * R
 
     @torch.inference_mode()
     def hf_run() -> None:

@@ -1,4 +1,4 @@
-"""Training step and log-prob pass: prompt dedup vs padded vs packed (unpadded, no dedup).
+"""Training step and log-prob pass: prompt dedup vs padded.
 
 For each (P, R, n) a GRPO batch of `--groups` groups with variable-length responses
 (uniform in [R/2, R]) runs through floe's policy zone:
@@ -6,9 +6,9 @@ For each (P, R, n) a GRPO batch of `--groups` groups with variable-length respon
 * train: `forward_backward` (PPO, token_mean aggregation, entropy computed) + `optim_step`;
 * logprob: the no-grad `forward` pass (what the reference zone and old-log-prob passes run).
 
-Arms: `padded` (prefix_dedup="off": one right-padded row per sample), `packed` (one unpadded
-stream, every sample with its own copy of the prompt: separates de-padding from dedup) and
-`dedup` (prefix_dedup="on": shared-prefix stream). The `auto` column records what
+Arms: `padded` (prefix_dedup="off": one right-padded row per sample) and `dedup`
+(prefix_dedup="on": shared-prefix stream). (An earlier `packed` arm, an unpadded stream
+without dedup, went with the layout it measured; older result files still carry it.) The `auto` column records what
 prefix_dedup="auto" picks. Speedups are reported next to the FLOP-model ceiling: the token
 ratio corrected for the LM head, which dedup does not shrink (attention left out).
 
@@ -35,16 +35,14 @@ from common import (
     write_json,
 )
 
-import floe.backend.policy as policy_module
 from floe.backend.policy import PolicyZone
 from floe.backend.scoring import plan_batch, uses_prefix_dedup
-from floe.compute.layout import plan_microbatches
 from floe.compute.losses import resolve_loss
 from floe.config import ComputeConfig, OptimizerConfig
 from floe.models.loading import load_model
 from floe.types import Batch
 
-ARMS = ("padded", "packed", "dedup")
+ARMS = ("padded", "dedup")
 BUDGET = 1 << 16  # tokens per micro-batch: one micro-batch per step in every arm
 
 
@@ -70,22 +68,11 @@ def flop_ceiling(model: torch.nn.Module, batch: Batch, padded: bool, attention: 
     return base / dedup
 
 
-def packed_plan(batch: Batch, compute: ComputeConfig, dedup: bool, model: Any = None) -> list:
-    """plan_batch stand-in for the `packed` arm: the same micro-batches, unpadded stream layout."""
-    return plan_microbatches(
-        [len(g.prompt) for g in batch.groups],
-        [[len(s.tokens) for s in g.samples] for g in batch.groups],
-        compute.max_tokens_per_microbatch,
-        "packed",
-    )
-
-
 def run_config(model, P: int, R: int, n: int, groups: int, reps: int, progress) -> dict[str, Any]:
     batch = grpo_batch(model.config.vocab_size, P, R, n, groups, seed=P + R + n)
     spec = resolve_loss("ppo", {"aggregation": "token_mean", "clip_low": 0.2, "clip_high": 0.28})
     computes = {
         "padded": ComputeConfig(prefix_dedup="off", max_tokens_per_microbatch=BUDGET),
-        "packed": ComputeConfig(prefix_dedup="off", max_tokens_per_microbatch=BUDGET),
         "dedup": ComputeConfig(prefix_dedup="on", max_tokens_per_microbatch=BUDGET),
     }
     zone = PolicyZone(model, OptimizerConfig(lr=1e-6), computes["padded"])
@@ -94,13 +81,7 @@ def run_config(model, P: int, R: int, n: int, groups: int, reps: int, progress) 
     def with_arm(arm: str, fn):
         def run():
             zone.compute = computes[arm]
-            original = policy_module.plan_batch
-            if arm == "packed":
-                policy_module.plan_batch = packed_plan
-            try:
-                return fn()
-            finally:
-                policy_module.plan_batch = original
+            return fn()
 
         return run
 
@@ -120,16 +101,13 @@ def run_config(model, P: int, R: int, n: int, groups: int, reps: int, progress) 
     out["auto_layout"] = plan_batch(batch, auto, True, model)[0].layout
     out["tokens"] = {
         "padded": sum(len(g.samples) * (P + max(len(s.tokens) for s in g.samples)) for g in batch.groups),
-        "packed": sum(P + len(s.tokens) for g in batch.groups for s in g.samples),
         "dedup": sum(P + sum(len(s.tokens) for s in g.samples) for g in batch.groups),
     }
     out["ceiling_vs_padded"] = flop_ceiling(model, batch, padded=True)
-    out["ceiling_vs_packed"] = flop_ceiling(model, batch, padded=False)
     out["ceiling_with_attention_vs_padded"] = flop_ceiling(model, batch, padded=True, attention=True)
     for kind in ("train", "logprob"):
         t = out[kind]
         out[kind]["speedup_vs_padded"] = t["padded"]["min_s"] / t["dedup"]["min_s"]
-        out[kind]["speedup_vs_packed"] = t["packed"]["min_s"] / t["dedup"]["min_s"]
         auto_arm = "dedup" if out["auto_layout"] == "shared_prefix" else "padded"
         out[kind]["auto_vs_padded"] = t["padded"]["min_s"] / t[auto_arm]["min_s"]
     return out
@@ -148,13 +126,12 @@ def plot(results: list[dict[str, Any]], name: str) -> None:
         ("ceiling: tokens + LM head", lambda r, k: r["ceiling_vs_padded"], "#bbb"),
         ("ceiling: + attention", lambda r, k: r.get("ceiling_with_attention_vs_padded", 0.0), "#ddd"),
         ("dedup vs padded", lambda r, k: r[k]["speedup_vs_padded"], "C0"),
-        ("dedup vs packed", lambda r, k: r[k]["speedup_vs_packed"], "C1"),
         ("auto vs padded", lambda r, k: r[k]["auto_vs_padded"], "C2"),
     ]
     width = 0.16
     for ax, kind in zip(axes, ("train", "logprob")):
         for j, (label, value, color) in enumerate(series):
-            offset = (j - 2) * width
+            offset = (j - 1.5) * width
             ax.bar([i + offset for i in x], [value(r, kind) for r in results], width, label=label, color=color)
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xticks(list(x), labels, fontsize=7)
@@ -206,7 +183,7 @@ def main() -> None:
             r = results[-1]
             progress.console.print(
                 f"P={P:5d} R={R:4d} n={n:2d} | train padded {r['train']['padded']['min_s']:.2f}s "
-                f"packed {r['train']['packed']['min_s']:.2f}s dedup {r['train']['dedup']['min_s']:.2f}s "
+                f"dedup {r['train']['dedup']['min_s']:.2f}s "
                 f"-> {r['train']['speedup_vs_padded']:.2f}x (ceiling {r['ceiling_vs_padded']:.2f}x) | "
                 f"logprob {r['logprob']['speedup_vs_padded']:.2f}x | auto={r['auto_layout']}"
             )

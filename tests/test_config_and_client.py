@@ -1,13 +1,16 @@
-"""Configs (TOML layers, overrides, strictness), the async client, the reference zone, info()."""
+"""Configs (TOML layers, overrides, strictness), connect() targets, the async client, the
+reference zone, info()."""
 
 from __future__ import annotations
 
 import asyncio
+import shutil
 
 import pytest
 
 import floe
 from floe.config import BackendConfig, load_layers, parse_config, parse_override_value
+from floe.models import make_tiny
 
 
 def test_toml_layers_overlays_and_overrides(tmp_path):
@@ -79,8 +82,6 @@ def test_reference_zone_is_frozen_initial_model(make_client):
 
 
 def test_reference_from_checkpoint_and_disabled(make_client, tiny_model, tmp_path):
-    from floe.models import make_tiny
-
     other = make_tiny(tmp_path / "other", hidden_size=64, num_hidden_layers=2, seed=5)
     client = make_client(reference={"checkpoint": str(other)})
     tok = client.tokenizer()
@@ -105,3 +106,21 @@ def test_groups_list_is_accepted_as_batch(make_client):
     tok = client.tokenizer()
     groups = [floe.Group(tok.encode("a"), [floe.Sample(tok.encode("b"))])]
     assert client.forward(groups).logprobs == client.forward(floe.Batch(groups)).logprobs
+
+
+@pytest.mark.parametrize("target", ["localhost:7000", "127.0.0.1:7000", "my-host.lan:80/floe", "[::1]:7000"])
+def test_an_address_without_scheme_is_refused(target, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no such path here
+    for connect in (floe.connect, floe.connect_async):
+        with pytest.raises(floe.InvalidInput) as e:
+            connect(target)
+        assert e.value.field == "target" and f"needs a scheme: http://{target}" in e.value.message
+    with pytest.raises(floe.InvalidInput, match="scheme 'grpc' is not supported"):
+        floe.connect("grpc://localhost:7000")
+
+
+def test_an_existing_path_that_looks_like_an_address_is_a_model(tiny_model, tmp_path, monkeypatch):
+    shutil.copytree(tiny_model, tmp_path / "tiny:7000")
+    monkeypatch.chdir(tmp_path)
+    with floe.connect("tiny:7000") as client:
+        assert client.info().model == "tiny:7000"

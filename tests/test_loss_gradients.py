@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import random
+import zlib
 
 import pytest
 import torch
@@ -160,7 +161,7 @@ def client(tiny_model, tmp_path_factory):
 def test_gradients_match_naive_reference(client, loss, aggregation):
     backend = backend_of(client)
     model, params = backend.policy.model, backend.policy.params
-    batch = make_batch(backend.vocab_size, seed=hash((loss, aggregation)) % 1000)
+    batch = make_batch(backend.vocab_size, seed=zlib.crc32(f"{loss}:{aggregation}".encode()) % 1000)
     if loss == "cross_entropy":
         for g in batch.groups:
             for s in g.samples:
@@ -219,7 +220,7 @@ def test_metrics_report_clipping_and_ratios(client):
     assert 0 < m["clip_fraction"] <= 1
     assert m["ratio_min"] <= m["ratio_mean"] <= m["ratio_max"]
     assert m["tokens"] == sum(sum(1 for w in s.weights if w) for g in batch.groups for s in g.samples)
-    assert m["entropy"] > 0 and m["approx_kl_sampler"] >= 0 and m["kl_ref"] >= 0
+    assert m["entropy"] > 0 and m["kl_sampler_k3"] >= 0 and m["kl_ref_k3"] >= 0
     assert res.loss_config["clip_low"] == 0.01 and res.loss_config["dual_clip"] is None
     # The returned log-probs are the policy's, aligned with each sample's tokens.
     fwd = client.forward(batch)

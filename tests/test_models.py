@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 import floe
@@ -45,3 +46,24 @@ def test_gradient_checkpointing_gives_the_same_gradients(make_client):
         client.forward_backward(batch, "cross_entropy")
         grads.append(torch.cat([p.grad.reshape(-1) for p in backend_of(client).policy.params]))
     assert float((grads[0] - grads[1]).norm() / grads[0].norm()) < 1e-6
+
+
+def test_make_tiny_replaces_only_its_own_directories(tmp_path):
+    path = make_tiny(tmp_path / "m", hidden_size=32, num_hidden_layers=1, seed=1)
+    assert json.loads((path / "floe_tiny.json").read_text())["seed"] == 1
+    make_tiny(path, hidden_size=32, num_hidden_layers=1, seed=2)  # its own: replaced
+    assert json.loads((path / "floe_tiny.json").read_text())["seed"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no temporary directories left
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert make_tiny(empty, hidden_size=32, num_hidden_layers=1) == empty
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    a_file = tmp_path / "file"
+    a_file.write_text("keep me too")
+    for victim in (foreign, a_file):
+        with pytest.raises(floe.InvalidInput, match="not written by make_tiny") as e:
+            make_tiny(victim, hidden_size=32, num_hidden_layers=1)
+        assert e.value.field == "path"
+    assert [p.name for p in foreign.iterdir()] == ["notes.txt"] and a_file.read_text() == "keep me too"

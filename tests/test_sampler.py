@@ -9,8 +9,8 @@ import torch
 from transformers import DynamicCache
 
 import floe
-from floe.backend.kv_cache import PreallocatedLayer, preallocated_cache
 from floe.models.loading import load_model
+from floe.sampler.kv_cache import PreallocatedLayer, preallocated_cache
 from tests.conftest import backend_of
 
 
@@ -28,7 +28,7 @@ def test_sampler_logprobs_match_policy_after_sync(make_client):
     _train_a_little(client, tok)
     before = client.sample([tok.encode("hello")], n=2, params=floe.SamplingParams(max_tokens=8, seed=0))
     sync = client.sync_weights()
-    assert sync.version == 1 and sync.verified and sync.bytes > 0
+    assert sync.version == 1 and sync.bytes > 0
     prompts = [tok.encode("hello there"), tok.encode("ab"), tok.encode("a much longer prompt here")]
     for temperature in (1.0, 0.7):
         out = client.sample(prompts, n=3, params=floe.SamplingParams(max_tokens=16, temperature=temperature, seed=1))

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 import floe
+from floe.models import make_tiny
 from tests.conftest import assert_same_state, backend_of, state_snapshot
 
 
@@ -78,8 +81,6 @@ def test_failed_load_and_bad_saves_change_nothing(make_client, tmp_path):
 
 
 def test_load_rejects_a_different_model(make_client, tmp_path):
-    from floe.models import make_tiny
-
     other = make_tiny(tmp_path / "other", hidden_size=32, num_hidden_layers=1)
     big = make_client(model=str(other))
     big.save_state("other")
@@ -99,3 +100,11 @@ def test_export_hf_loads_back(make_client, tmp_path):
     d = make_client(model=path)
     batch = _batch(tok, "hello")
     assert c.forward(batch).logprobs == d.forward(batch).logprobs
+
+
+def test_export_marker_is_json_whatever_the_model_path(make_client, tmp_path):
+    odd = make_tiny(tmp_path / 'we"ird\\name', hidden_size=32, num_hidden_layers=1)
+    c = make_client(model=str(odd))
+    out = c.export_hf(str(tmp_path / "export"))
+    marker = json.loads((tmp_path / "export" / "floe_export.json").read_text())
+    assert marker == {"step": 0, "model": str(odd)} and out == str(tmp_path / "export")

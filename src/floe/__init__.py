@@ -3,6 +3,7 @@
 from floe.client import AsyncClient, Client, connect, connect_async
 from floe.config import BackendConfig, ComputeConfig, OptimizerConfig, ReferenceConfig, SamplerConfig
 from floe.errors import FloeError, InvalidInput, StateError
+from floe.protocol.errors import RemoteError, RemoteUnavailable
 from floe.types import (
     Batch,
     ForwardBackwardResult,
@@ -10,10 +11,10 @@ from floe.types import (
     Group,
     Info,
     OptimStepResult,
+    Sample,
     SampledGroup,
     SampledSequence,
     SampleResult,
-    Sample,
     SamplingParams,
     StateResult,
     SyncResult,
@@ -24,6 +25,6 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncClient", "BackendConfig", "Batch", "Client", "ComputeConfig", "FloeError", "ForwardBackwardResult",
     "ForwardResult", "Group", "Info", "InvalidInput", "OptimStepResult", "OptimizerConfig", "ReferenceConfig",
-    "Sample", "SampleResult", "SampledGroup", "SampledSequence", "SamplerConfig", "SamplingParams", "StateError",
-    "StateResult", "SyncResult", "connect", "connect_async",
+    "RemoteError", "RemoteUnavailable", "Sample", "SampleResult", "SampledGroup", "SampledSequence",
+    "SamplerConfig", "SamplingParams", "StateError", "StateResult", "SyncResult", "connect", "connect_async",
 ]

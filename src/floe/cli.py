@@ -1,7 +1,9 @@
 """The `floe` command: train | sft | eval | serve | plot. (Benchmarks are scripts in benchmarks/.)
 
 Recipes are TOML files; more files can be layered with `@ OVERLAY.toml` and single keys set
-with `--section.key value` (TOML syntax for the value). Unknown keys are errors.
+with `--section.key value` (TOML syntax for the value). Unknown keys are errors. Every command
+validates its whole recipe (loss, env name and options included) before importing the model
+stack or building anything, so a typo fails in about a second.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from floe.config import load_layers, parse_config, split_recipe_args
+from floe.config import load_layers, split_recipe_args
 from floe.errors import FloeError, InvalidInput
 
 USAGE_RECIPE = """recipe arguments:
@@ -23,13 +25,17 @@ USAGE_RECIPE = """recipe arguments:
   Every key is documented in docs/recipes.md; an unknown key is an error."""
 
 
-def load_recipe(args: list[str]):
-    from floe.rl.config import Recipe
+def load_recipe(args: list[str]) -> tuple[Any, list[str]]:
+    """(validated Recipe, remaining flags) from `RECIPE.toml [@ OVERLAY ...] [--a.b VALUE ...] flags`.
+
+    Raises InvalidInput naming the first bad key (see floe.rl.config.parse_recipe).
+    """
+    from floe.rl.config import parse_recipe
 
     files, overrides, rest = split_recipe_args(args)
     if not files:
         raise InvalidInput("RECIPE", "give a recipe TOML file, e.g. recipes/reverse_text.toml")
-    return parse_config(Recipe, load_layers(files, overrides), where="recipe"), rest
+    return parse_recipe(load_layers(files, overrides)), rest
 
 
 def cmd_train(argv: list[str]) -> int:
@@ -58,12 +64,17 @@ def cmd_sft(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="floe sft", description="SFT (cross_entropy) on the recipe env's demonstrations; "
                                      "uses the recipe's [model] and [warm_start] and exports an HF directory.",
                                      epilog=USAGE_RECIPE, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=False, help="output HF directory (default: <run_dir>/sft)")
+    parser.add_argument("--out", required=False, help="output HF directory (default: <run_dir>/sft); must be new, "
+                        "empty, or an earlier floe export")
     if any(a in ("-h", "--help") for a in argv):
         parser.print_help()
         return 0
     recipe, rest = load_recipe(argv)
     opts = parser.parse_args(rest)
+    import shutil
+    import tempfile
+
+    from floe.backend.backend import EXPORT_MARKER
     from floe.envs import make_family
     from floe.models import make_tiny
     from floe.rl.config import WarmStartConfig
@@ -71,19 +82,20 @@ def cmd_sft(argv: list[str]) -> int:
     from floe.rl.warmstart import sft_on_demonstrations
 
     out = Path(opts.out or Path(recipe.output.run_dir) / "sft")
-    work = out.parent / f".{out.name}.work"
-    work.mkdir(parents=True, exist_ok=True)
-    base = recipe.model.path or str(make_tiny(work / "base", **recipe.model.tiny.model_dump()))
+    # Checked before training (export_hf checks again when it writes): never replace a
+    # directory that floe did not export.
+    if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / EXPORT_MARKER).is_file())):
+        raise InvalidInput("--out", f"{out} exists and is not a floe export; choose a new or empty directory")
     family = make_family(recipe.env.name, **recipe.env.options)
-    ui = RunProgress()
-    exported = sft_on_demonstrations(base, family, recipe.warm_start or WarmStartConfig(), work, ui.warm_start,
-                                     recipe.backend.get("num_threads"))
-    import shutil
-
-    if out.exists():
-        shutil.rmtree(out)
-    Path(exported).replace(out)
-    shutil.rmtree(work, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.work-", dir=out.parent))
+    try:
+        base = recipe.model.path or str(make_tiny(work / "base", **recipe.model.tiny.model_dump()))
+        ui = RunProgress()
+        sft_on_demonstrations(base, family, recipe.warm_start or WarmStartConfig(), work, ui.warm_start,
+                              recipe.backend.get("num_threads"), out=out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     print(json.dumps({"model": str(out)}))
     return 0
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -56,11 +56,34 @@ class ComputeConfig(StrictModel):
     gradient_checkpointing: bool = False
 
 
-class SamplerConfig(StrictModel):
-    """The sampler zone's generation engine."""
+class TorchEngineConfig(StrictModel):
+    """The torch engine (`floe.sampler.torch_engine`): KV-cache generation in this process."""
 
-    engine: Literal["torch"] = "torch"
+    name: Literal["torch"] = "torch"
     max_batch_sequences: int = Field(256, gt=0, description="rows decoded together")
+
+
+# One member per sampler engine, chosen by `name` (`floe.sampler.registry` builds it).
+EngineConfig = Annotated[Union[TorchEngineConfig], Field(discriminator="name")]  # noqa: UP007 - a union, one member so far
+
+
+class SamplerConfig(StrictModel):
+    """The sampler zone's generation engine: `[sampler.engine]` with `name` (default "torch")
+    and that engine's options."""
+
+    engine: EngineConfig = Field(default_factory=TorchEngineConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_form(cls, data: Any) -> Any:
+        if isinstance(data, dict) and (isinstance(data.get("engine"), str) or "max_batch_sequences" in data):
+            raise ValueError(
+                "the engine is a table with a name and its options, e.g. "
+                '[sampler.engine] name = "torch", max_batch_sequences = 256'
+            )
+        if isinstance(data, dict) and isinstance(data.get("engine"), dict) and "name" not in data["engine"]:
+            data = {**data, "engine": {"name": "torch", **data["engine"]}}  # the default engine
+        return data
 
 
 class ReferenceConfig(StrictModel):
@@ -83,6 +106,11 @@ class BackendConfig(StrictModel):
     )
     state_dir: str = Field("floe_state", description="where save_state/load_state keep states")
     trust_remote_code: bool = False
+    attn_implementation: Literal["auto", "sdpa", "eager", "flex_attention", "flash_attention_2"] = Field(
+        "auto",
+        description="attention kernel; auto = sdpa where the architecture supports it, else eager "
+        "(floe.models.loading.resolve_attn_implementation)",
+    )
     optimizer: OptimizerConfig = OptimizerConfig()
     compute: ComputeConfig = ComputeConfig()
     sampler: SamplerConfig = SamplerConfig()

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 StopReason = Literal["stop_token", "stop_string", "length"]
-Zone = Literal["policy", "reference"]
 
 
 @dataclass
@@ -127,10 +126,11 @@ class OptimStepResult:
 
 @dataclass
 class SyncResult:
-    version: int
-    bytes: int
+    """A sync that returns has verified every tensor's fingerprint (a failed one raises)."""
+
+    version: int  # the sampler's weights version after the sync
+    bytes: int  # bytes of weights moved
     seconds: float
-    verified: bool
 
 
 @dataclass

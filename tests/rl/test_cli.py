@@ -35,3 +35,24 @@ def test_plot_writes_pngs(recipe_file, tmp_path, capsys):
     written = [Path(p) for p in capsys.readouterr().out.split()]
     assert {p.name for p in written} >= {"reward.png", "entropy.png"}
     assert all(p.stat().st_size > 1000 and p.read_bytes()[:4] == b"\x89PNG" for p in written)
+
+
+def test_sft_refuses_to_replace_a_directory_it_did_not_write(recipe_file, tmp_path, capsys):
+    recipe = recipe_file(steps=2, name="sftout")
+    mine = tmp_path / "my_notes"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    assert main(["sft", recipe, "--warm_start.steps", "1", "--out", str(mine)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"floe sft: error: --out: {mine} exists and is not a floe export; choose a new or empty directory"
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "keep me"
+    assert not list(tmp_path.glob(".my_notes*"))  # no scratch left behind
+    # An earlier floe export is replaced (it carries export_hf's marker).
+    out = tmp_path / "exported"
+    args = ["sft", recipe, "--warm_start.steps", "1", "--warm_start.batch_size", "2", "--out", str(out)]
+    assert main(args) == 0
+    first = json.loads((out / "floe_export.json").read_text())
+    assert main([*args, "--warm_start.seed", "1"]) == 0
+    second = json.loads((out / "floe_export.json").read_text())
+    assert (out / "config.json").is_file() and second["model"] != first["model"]  # the new export replaced it
+    assert not list(tmp_path.glob(".exported*"))

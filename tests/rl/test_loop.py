@@ -90,11 +90,11 @@ def test_resume_without_checkpoint_is_an_error(recipe_file):
 
 
 def test_kl_penalty_uses_the_reference_zone_and_minibatches(recipe_file):
-    recipe, _ = load_recipe([recipe_file(steps=2, name="kl"), "--train.loss_config.kl.coef", "0.1",
+    recipe, _ = load_recipe([recipe_file(steps=2, name="kl"), "--train.loss.kl.coef", "0.1",
                              "--train.minibatches", "2"])
     summary = train(recipe, progress=False)
     records = [r for r in read_jsonl(Path(summary.run_dir) / "metrics.jsonl") if r["step"] > 0]
-    assert all("kl_ref" in r and r["kl_ref"] >= 0 for r in records)
+    assert all("kl_ref_k3" in r and r["kl_ref_k3"] >= 0 for r in records)
     assert [r["policy_step"] for r in records] == [2, 4]  # two optimizer steps per loop step
 
 
@@ -132,3 +132,23 @@ def test_staleness_is_measured_from_the_backends_own_version(recipe_file, tmp_pa
     records = [r for r in read_jsonl(Path(summary.run_dir) / "metrics.jsonl") if r["step"] > 0]
     assert [r["staleness_max"] for r in records] == [0, 0]
     assert [r["weights_version"] for r in records] == [3, 4]
+
+
+def test_old_checkpoints_are_pruned_through_the_client(recipe_file, tmp_path):
+    """Pruning uses client.list_states / delete_state, so it works wherever the backend keeps its
+    states (here a state_dir the recipe does not know, as on a remote server) and touches only
+    this run's checkpoints."""
+    import floe
+    from floe.rl import Trainer
+    from floe.rl.warmstart import prepare_model
+
+    recipe, _ = load_recipe([recipe_file(steps=4, name="pruned"), "--output.keep_checkpoints", "1",
+                             "--eval.every", "0"])
+    elsewhere = tmp_path / "server_states"
+    client = floe.connect(recipe.backend_config(prepare_model(recipe)).model_copy(update={"state_dir": str(elsewhere)}))
+    client.save_state("other_run.step_000002")
+    client.save_state("pruned_notes")
+    Trainer(recipe, progress=False).run(client)
+    assert sorted(client.list_states()) == ["other_run.step_000002", "pruned.step_000004", "pruned_notes"]
+    assert not (tmp_path / "pruned" / "states").exists()
+    client.close()

@@ -82,9 +82,9 @@ def test_cli_layers_and_overrides(tmp_path):
     over = tmp_path / "over.toml"
     over.write_text('[train]\nmax_off_policy_steps = 1\n')
     files, overrides, rest = split_recipe_args([str(base), "@", str(over), "--train.steps", "9",
-                                                "--train.loss_config.clip_high=0.3", "--resume"])
+                                                "--train.loss.clip_high=0.3", "--resume"])
     assert files == [str(base), str(over)] and rest == ["--resume"]
-    assert overrides == {"train.steps": 9, "train.loss_config.clip_high": 0.3}
+    assert overrides == {"train.steps": 9, "train.loss.clip_high": 0.3}
     recipe, _ = load_recipe([str(base), "@", str(over), "--train.steps", "9"])
     assert isinstance(recipe, Recipe) and recipe.train.steps == 9 and recipe.train.max_off_policy_steps == 1
 
@@ -116,3 +116,13 @@ def test_warm_start_is_cached_and_rebuilt_when_missing(tmp_path, monkeypatch):
     # The cached model is an ordinary HF directory that a backend loads.
     client = floe.connect(floe.BackendConfig(model=path, state_dir=str(tmp_path / "s")))
     assert client.info().vocab_size == 105
+
+
+def test_truncate_on_resume_keeps_checkpointed_steps_and_drops_a_torn_line(tmp_path):
+    from floe.rl.metrics import read_jsonl, truncate_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0}\n{"step": 1, "r": 0.5}\n{"step": 2}\n{"step": 3, "r": 0.')  # killed mid-append
+    truncate_jsonl(path, 1)
+    assert read_jsonl(path) == [{"step": 0}, {"step": 1, "r": 0.5}]
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]  # no temporary file left

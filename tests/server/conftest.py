@@ -43,10 +43,10 @@ class ServerProcess:
         env = {k: v for k, v in os.environ.items() if k != "FLOE_TOKEN"}
         if token:
             env["FLOE_TOKEN"] = token
-        self._log = open(log_path, "ab")
+        self._log = open(log_path, "ab")  # noqa: SIM115 - open for the process's lifetime, closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
-    def wait_ready(self, timeout: float = 90) -> "ServerProcess":
+    def wait_ready(self, timeout: float = 90) -> ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

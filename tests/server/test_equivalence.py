@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 import floe
 from floe import Group, Sample, SamplingParams
-from floe.server.errors import RemoteUnavailable
+from floe.protocol.errors import RemoteUnavailable
 
 from .conftest import ServerProcess, free_port, write_config
 

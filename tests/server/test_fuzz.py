@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 
 from floe import Batch, Group, Sample
-from floe.server import wire
+from floe.protocol import wire
 
 from .conftest import TOKEN, ServerProcess
 

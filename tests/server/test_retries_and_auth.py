@@ -17,8 +17,8 @@ import pytest
 import floe
 from floe import Group, Sample
 from floe.client.http import HttpTransport
-from floe.server import wire
-from floe.server.errors import RemoteError, RemoteUnavailable
+from floe.protocol import wire
+from floe.protocol.errors import RemoteError, RemoteUnavailable
 
 from .conftest import TOKEN, ServerProcess, free_port
 
@@ -89,6 +89,6 @@ def test_refuses_to_listen_beyond_loopback_without_token(server_model: Path, tmp
     config = tmp_path / "b.toml"
     config.write_text(f'model = "{server_model}"\n')
     env = {"PATH": "/usr/bin:/bin"}
-    proc = subprocess.run([sys.executable, "-m", "floe.server", str(config), "--host", "0.0.0.0"], capture_output=True, text=True, env=env, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "floe.server", str(config), "--host", "0.0.0.0"], capture_output=True, text=True, env=env, timeout=60, check=False)
     assert proc.returncode == 2 and "needs a bearer token" in proc.stderr
     assert TOKEN not in proc.stderr

@@ -1,31 +1,47 @@
-"""The Backend: owns the policy, sampler and reference zones and routes every operation.
+"""The Backend: validates every request, then coordinates the policy, sampler and reference zones.
 
-It validates each request completely before any zone runs (so a rejected request changes
-nothing), serialises operations per zone (sampling may overlap training, which is what
-asynchronous RL needs; a sync or a state load holds both zones), and keeps the weight versions: the policy's step counts optimizer steps, the sampler's version
-counts syncs, and every sample carries the sampler version that produced it.
+Each operation first checks its whole request (no lock taken, nothing changed by a rejected
+request), then takes the locks of the zones it needs, always in the order policy, sampler,
+reference, and asks the zones (`zones.py`) to do the work. Sampling holds the sampler
+*shared*: several `sample` calls run together, and sampling overlaps training, which is what
+asynchronous RL needs. A weight sync and a state load hold the sampler *exclusively*: they
+wait for running samples, and samples that arrive meanwhile wait for them.
+
+Versions: the policy's step counts optimizer steps; the sampler's version counts verified
+syncs (`sync/`); every sample carries the sampler version that produced it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
+import json
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from floe.atomic import atomic_directory
+from floe.backend.locks import SharedLock
 from floe.backend.policy import PolicyZone
 from floe.backend.reference import ReferenceZone
 from floe.backend.sampler import SamplerZone
-from floe.backend.state import atomic_directory, check_state_name, read_state, recover_all, save_state
+from floe.backend.state import (
+    check_state_name,
+    delete_state_dir,
+    list_state_dirs,
+    read_meta,
+    read_state,
+    write_state,
+)
+from floe.backend.sync import InPlaceCopy, WeightSync, check_publishable, verify
 from floe.backend.validation import validate_batch, validate_prompts
-from floe.backend.weights import copy_weights
-from floe.compute.losses import resolve_loss
+from floe.compute.losses import resolve_loss, loss_capabilities
 from floe.config import BackendConfig
 from floe.errors import InvalidInput, StateError
 from floe.models import load_model, load_tokenizer
+from floe.sampler import EngineSource, build_engine
 from floe.types import (
     Batch,
     ForwardBackwardResult,
@@ -38,7 +54,6 @@ from floe.types import (
     StateResult,
     SyncResult,
 )
-
 
 EXPORT_MARKER = "floe_export.json"
 
@@ -57,6 +72,8 @@ def _check_temperature(temperature: Any) -> float:
 
 
 class Backend:
+    """All zones of one model in this process, behind the operations of the client API."""
+
     def __init__(self, config: BackendConfig):
         self.config = config
         if config.num_threads is not None:
@@ -65,67 +82,64 @@ class Backend:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
-        policy_model = load_model(config.model, config.dtype, config.device, config.trust_remote_code)
-        sampler_model = copy.deepcopy(policy_model)
-        sampler_model.eval()
+        policy_model = load_model(
+            config.model, config.dtype, config.device, config.trust_remote_code, config.attn_implementation
+        )
+        engine = build_engine(config.sampler.engine, EngineSource(policy_model, config.model, self.tokenizer))
         ref_model = None
         if config.reference.enabled:
             if config.reference.checkpoint:
-                ref_model = load_model(config.reference.checkpoint, config.dtype, config.device, config.trust_remote_code)
+                ref_model = load_model(
+                    config.reference.checkpoint, config.dtype, config.device, config.trust_remote_code,
+                    config.attn_implementation,
+                )
             else:
                 ref_model = copy.deepcopy(policy_model)
+        self.vocab_size = int(policy_model.config.vocab_size)
+        self.max_context = int(getattr(policy_model.config, "max_position_embeddings", 2**31))
         self.policy = PolicyZone(policy_model, config.optimizer, config.compute)
-        self.sampler = SamplerZone(sampler_model, self.tokenizer, config.sampler.max_batch_sequences, config.seed)
+        self.sampler = SamplerZone(engine, config.sampler.engine.name, config.seed)
         self.reference = (
             ReferenceZone(ref_model, config.compute, config.reference.checkpoint or config.model)
             if ref_model is not None
             else None
         )
-        self.vocab_size = int(policy_model.config.vocab_size)
-        self.max_context = int(getattr(policy_model.config, "max_position_embeddings", 2**31))
+        self.weight_sync: WeightSync = InPlaceCopy()
         self.state_dir = Path(config.state_dir)
         self._policy_lock = threading.RLock()
-        self._sampler_lock = threading.RLock()
+        self._sampler_lock = SharedLock()
         self._reference_lock = threading.RLock()
-
-    @contextlib.contextmanager
-    def _holding(self, *zones: str):
-        """Hold the named zones' locks, always acquired in the order policy, sampler, reference."""
-        locks = {"policy": self._policy_lock, "sampler": self._sampler_lock, "reference": self._reference_lock}
-        with contextlib.ExitStack() as stack:
-            for name in ("policy", "sampler", "reference"):
-                if name in zones:
-                    stack.enter_context(locks[name])
-            yield
 
     # -- operations -----------------------------------------------------------------------
 
     def sample(self, prompts: list[list[int]], n: int = 1, params: SamplingParams | None = None) -> SampleResult:
+        """n samples per prompt from the sampler (default SamplingParams()); runs alongside other
+        sample calls and training. InvalidInput names a bad field."""
         params = params if params is not None else SamplingParams()
-        with self._holding("sampler"):
-            validate_prompts(prompts, n, params, self.vocab_size, self.max_context)
-            if n > self.sampler.max_batch_sequences:
-                raise InvalidInput(
-                    "n", f"{n} samples per prompt exceed sampler.max_batch_sequences ({self.sampler.max_batch_sequences})"
-                )
+        validate_prompts(prompts, n, params, self.vocab_size, self.max_context)
+        self.sampler.validate(prompts, n, params)
+        with self._sampler_lock.shared():
             return self.sampler.sample(prompts, n, params)
 
     def forward(
         self, batch: Batch, zone: str = "policy", temperature: float = 1.0, with_entropy: bool = False
     ) -> ForwardResult:
+        """Per-token log-probs [group][sample][token] (and entropies) from the policy or the
+        reference zone at `temperature`, without gradients."""
         batch = as_batch(batch)
-        with self._holding("reference" if zone == "reference" else "policy"):
-            temperature = _check_temperature(temperature)
-            validate_batch(batch, self.vocab_size, self.max_context)
-            if type(with_entropy) is not bool:
-                raise InvalidInput("with_entropy", f"must be true or false, got {with_entropy!r}")
-            if zone == "policy":
+        temperature = _check_temperature(temperature)
+        validate_batch(batch, self.vocab_size, self.max_context)
+        if type(with_entropy) is not bool:
+            raise InvalidInput("with_entropy", f"must be true or false, got {with_entropy!r}")
+        if zone == "policy":
+            with self._policy_lock:
                 return self.policy.forward(batch, temperature, with_entropy)
-            if zone == "reference":
-                if self.reference is None:
-                    raise InvalidInput("zone", "the reference zone is disabled (reference.enabled = false)")
+        if zone == "reference":
+            if self.reference is None:
+                raise InvalidInput("zone", "the reference zone is disabled (reference.enabled = false)")
+            with self._reference_lock:
                 return self.reference.forward(batch, temperature, with_entropy)
-            raise InvalidInput("zone", f"must be 'policy' or 'reference', got {zone!r}")
+        raise InvalidInput("zone", f"must be 'policy' or 'reference', got {zone!r}")
 
     def forward_backward(
         self,
@@ -134,85 +148,98 @@ class Backend:
         loss_config: dict[str, Any] | None = None,
         temperature: float = 1.0,
     ) -> ForwardBackwardResult:
+        """Loss `loss` (config `loss_config`, defaults resolved) and its gradients, added to
+        those of earlier calls until optim_step."""
         batch = as_batch(batch)
-        with self._holding("policy"):
-            temperature = _check_temperature(temperature)
-            spec = resolve_loss(loss, loss_config)
-            validate_batch(batch, self.vocab_size, self.max_context, spec)
+        temperature = _check_temperature(temperature)
+        spec = resolve_loss(loss, loss_config)
+        validate_batch(batch, self.vocab_size, self.max_context, spec)
+        with self._policy_lock:
             return self.policy.forward_backward(batch, spec, temperature)
 
     def optim_step(self) -> OptimStepResult:
-        with self._holding("policy"):
+        """Apply the accumulated gradients (StateError when there are none or they are not finite)."""
+        with self._policy_lock:
             return self.policy.optim_step()
 
     def sync_weights(self) -> SyncResult:
-        with self._holding("policy", "sampler"):
-            report = copy_weights(self.policy.model, self.sampler.model)
-            self.sampler.version += 1
-            return SyncResult(self.sampler.version, report.bytes, report.seconds, verified=True)
+        """Policy weights → sampler, verified by fingerprints; bumps the sampler version.
+        Waits for running samples. StateError (nothing changed) for non-finite weights."""
+        with self._policy_lock, self._sampler_lock.exclusive():
+            start = time.perf_counter()
+            sent = self._push_policy_weights()
+            self.sampler.set_version(self.sampler.version + 1)
+            return SyncResult(self.sampler.version, sent, time.perf_counter() - start)
+
+    def _push_policy_weights(self) -> int:
+        """publish → transfer → receive → verify; returns the bytes published. Hold both locks."""
+        snapshot = self.policy.publish()
+        check_publishable(snapshot)
+        received = self.weight_sync.transfer(snapshot, self.sampler)
+        verify(snapshot.fingerprints, received)
+        return snapshot.bytes
 
     def save_state(self, name: str) -> StateResult:
-        with self._holding("policy", "sampler"):
-            name = check_state_name(name)
-            if self.policy.pending_calls:
-                raise StateError(
-                    "save_state: gradients from forward_backward are waiting for optim_step and would be lost; "
-                    "call optim_step first"
-                )
-            path = self.state_dir / name
-            save_state(
-                path, self.policy.model, self.policy.optimizer, self.policy.step,
-                self.sampler.version, self.sampler.generator.get_state(), self.config.model,
-            )
+        """Save every zone's state as `<state_dir>/<name>` (replacing a state of that name).
+        StateError while gradients wait for optim_step."""
+        name = check_state_name(name)
+        path = self.state_dir / name
+        with self._policy_lock, self._sampler_lock.shared():
+            parts = [self.policy.save_state(), self.sampler.save_state()]
+            write_state(path, parts, self.config.model)
             return StateResult(name, str(path), self.policy.step, self.sampler.version)
 
     def load_state(self, name: str) -> StateResult:
         """Restore a saved state. The sampler gets the restored policy weights and the saved
-        version; gradients not yet applied are discarded."""
-        with self._holding("policy", "sampler"):
-            name = check_state_name(name)
-            path = self.state_dir / name
-            loaded = read_state(path, self.policy.model, self.policy.optimizer)
-            with torch.no_grad():
-                self.policy.model.load_state_dict(loaded.weights, strict=True)
-            self.policy.optimizer.load_state_dict(loaded.optimizer_state)
-            self.policy.optimizer.zero_grad(set_to_none=True)
-            self.policy.pending_calls = 0
-            self.policy.step = loaded.step
-            copy_weights(self.policy.model, self.sampler.model)
-            self.sampler.version = loaded.sampler_version
-            self.sampler.generator.set_state(loaded.sampler_rng)
-            torch.set_rng_state(loaded.torch_rng)
-            return StateResult(name, str(path), loaded.step, loaded.sampler_version)
+        version; gradients not yet applied are discarded. A state that does not fit changes nothing."""
+        name = check_state_name(name)
+        path = self.state_dir / name
+        with self._policy_lock, self._sampler_lock.exclusive():
+            state = read_state(path)
+            self.policy.check_state(state)
+            self.sampler.check_state(state)
+            self.policy.load_state(state)
+            self._push_policy_weights()
+            self.sampler.load_state(state)
+            return StateResult(name, str(path), self.policy.step, self.sampler.version)
+
+    def delete_state(self, name: str) -> StateResult:
+        """Remove a saved state; returns what it held. StateError when there is none of that name."""
+        name = check_state_name(name)
+        path = self.state_dir / name
+        with self._policy_lock:  # save_state and load_state hold it too
+            meta = read_meta(path)
+            if meta is None:
+                raise StateError(f"delete_state: no saved state named {name!r} in {self.state_dir}")
+            delete_state_dir(path)
+            return StateResult(name, str(path), int(meta["step"]), int(meta["sampler_version"]))
 
     def list_states(self) -> list[str]:
-        if not self.state_dir.is_dir():
-            return []
-        recover_all(self.state_dir)
-        return sorted(p.name for p in self.state_dir.iterdir() if (p / "state.json").is_file() and not p.name.startswith("."))
+        """Names of the saved states, sorted."""
+        return list_state_dirs(self.state_dir)
 
     def export_hf(self, path: str) -> str:
         """Write the policy as an ordinary HF model directory (weights + config + tokenizer).
 
         The target must be new, empty, or an earlier floe export (it carries EXPORT_MARKER):
         an export never replaces a directory floe did not write."""
-        with self._holding("policy"):
-            if not isinstance(path, str) or not path:
-                raise InvalidInput("path", "must be a non-empty directory path")
-            target = Path(path)
-            if target.exists() and not (
-                target.is_dir() and (not any(target.iterdir()) or (target / EXPORT_MARKER).is_file())
-            ):
-                raise InvalidInput("path", f"{path} exists and is not an earlier floe export; choose a new or empty directory")
-            with atomic_directory(target) as tmp:
-                self.policy.model.save_pretrained(tmp, safe_serialization=True)
-                self.tokenizer.save_pretrained(tmp)
-                (tmp / EXPORT_MARKER).write_text(f'{{"step": {self.policy.step}, "model": "{self.config.model}"}}\n')
-            return str(target)
+        if not isinstance(path, str) or not path:
+            raise InvalidInput("path", "must be a non-empty directory path")
+        target = Path(path)
+        if target.exists() and not (
+            target.is_dir() and (not any(target.iterdir()) or (target / EXPORT_MARKER).is_file())
+        ):
+            raise InvalidInput("path", f"{path} exists and is not an earlier floe export; choose a new or empty directory")
+        with self._policy_lock, atomic_directory(target, replace=True) as tmp:
+            self.policy.export_hf(tmp)
+            self.tokenizer.save_pretrained(tmp)
+            (tmp / EXPORT_MARKER).write_text(json.dumps({"step": self.policy.step, "model": self.config.model}) + "\n")
+        return str(target)
 
     def info(self) -> Info:
-        with self._holding("policy", "sampler"):
-            p = next(self.policy.model.parameters())
+        """Model, zones, step and versions, dtype/device and capabilities."""
+        with self._policy_lock, self._sampler_lock.shared():
+            weights = self.policy.describe()
             return Info(
                 model=self.config.model,
                 zones=["policy", "sampler"] + (["reference"] if self.reference else []),
@@ -221,12 +248,15 @@ class Backend:
                 sampler_version=self.sampler.version,
                 vocab_size=self.vocab_size,
                 max_context=self.max_context,
-                dtype=str(p.dtype).removeprefix("torch."),
-                device=str(p.device),
+                dtype=weights["dtype"],
+                device=weights["device"],
                 capabilities={
-                    "losses": ["cross_entropy", "importance_sampling", "ppo", "cispo", "gspo"],
-                    "aggregations": ["sum", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"],
-                    "sampler_engine": self.config.sampler.engine,
+                    **loss_capabilities(),
+                    "sampler_engine": self.sampler.engine_name,
                     "pending_forward_backward_calls": self.policy.pending_calls,
                 },
             )
+
+    def close(self) -> None:
+        """Release the sampler engine's resources. Idempotent."""
+        self.sampler.close()

@@ -1,5 +1,9 @@
 """The policy zone: the trainable model, its AdamW optimizer, LR schedule and step counter.
 
+It implements `zones.PolicyWorker`: besides training it publishes its weights for a sync
+(`publish`) and saves/loads its own state (weights, optimizer, step, torch RNG) as a
+`state.ZoneState`.
+
 `forward_backward` adds gradients (it never zeroes them); `optim_step` applies everything
 accumulated since the last step, then zeroes. Each `forward_backward` call is aggregated on
 its own: the loss's denominators (token count, sample count, norm length) are computed over
@@ -10,11 +14,15 @@ the result.
 from __future__ import annotations
 
 import math
+from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
 from floe.backend.scoring import plan_batch, score_batch, score_microbatch, uses_prefix_dedup
+from floe.backend.state import ZoneState
+from floe.backend.sync.base import WeightsSnapshot, fingerprints
 from floe.compute.losses import LossSpec, TokenInputs, aggregation_scales, compute_loss, finalize_metrics
 from floe.config import ComputeConfig, OptimizerConfig
 from floe.errors import StateError
@@ -54,6 +62,8 @@ def disable_dropout(model: torch.nn.Module) -> None:
 
 
 class PolicyZone:
+    """Implements `zones.PolicyWorker` on a transformers model in this process."""
+
     def __init__(self, model: PreTrainedModel, optimizer: OptimizerConfig, compute: ComputeConfig):
         self.model = model
         self.compute = compute
@@ -154,6 +164,82 @@ class PolicyZone:
         applied, self.pending_calls = self.pending_calls, 0
         self.step += 1
         return OptimStepResult(step=self.step, lr=lr, grad_norm=grad_norm, accumulated_calls=applied)
+
+    # -- weights out ------------------------------------------------------------------------
+
+    def publish(self) -> WeightsSnapshot:
+        """The live weights by state-dict name (not copied: valid until the next optim_step)."""
+        tensors = {name: t.detach() for name, t in self.model.state_dict().items()}
+        return WeightsSnapshot(tensors, fingerprints(tensors), self.step)
+
+    def export_hf(self, directory: Path) -> None:
+        self.model.save_pretrained(directory, safe_serialization=True)
+
+    def describe(self) -> dict[str, str]:
+        p = next(self.model.parameters())
+        return {"dtype": str(p.dtype).removeprefix("torch."), "device": str(p.device)}
+
+    # -- own state --------------------------------------------------------------------------
+
+    def save_state(self) -> ZoneState:
+        """Weights, AdamW state (tensors by "<param index>.<key>", scalars in JSON), step, torch RNG."""
+        if self.pending_calls:
+            raise StateError(
+                "save_state: gradients from forward_backward are waiting for optim_step and would be lost; "
+                "call optim_step first"
+            )
+        opt = self.optimizer.state_dict()
+        opt_tensors: dict[str, torch.Tensor] = {}
+        scalars: dict[str, dict[str, float]] = {}
+        for idx, param_state in opt["state"].items():
+            for key, value in param_state.items():
+                if isinstance(value, torch.Tensor):
+                    opt_tensors[f"{idx}.{key}"] = value.detach().cpu().contiguous()
+                else:
+                    scalars.setdefault(str(idx), {})[key] = value
+        # clone() un-ties shared tensors (tied embeddings) so safetensors can store them.
+        weights = {k: v.detach().cpu().clone().contiguous() for k, v in self.model.state_dict().items()}
+        return ZoneState(
+            {
+                "policy.safetensors": weights,
+                "optimizer.safetensors": opt_tensors,
+                "rng.safetensors": {"torch_cpu": torch.get_rng_state()},
+            },
+            {"step": self.step, "param_groups": opt["param_groups"], "optimizer_scalars": scalars},
+        )
+
+    def check_state(self, state: ZoneState) -> None:
+        """StateError when the saved weights or optimizer do not fit this model; changes nothing."""
+        weights = state.tensors.get("policy.safetensors", {})
+        live = self.model.state_dict()
+        if weights.keys() != live.keys():
+            diff = sorted(set(weights) ^ set(live))[:5]
+            raise StateError(f"load_state: saved weights do not match this model (e.g. {diff})")
+        for k, v in weights.items():
+            if v.shape != live[k].shape:
+                raise StateError(f"load_state: {k} has shape {tuple(v.shape)}, the model {tuple(live[k].shape)}")
+        groups = state.meta.get("param_groups")
+        if not isinstance(groups, list) or sum(len(g["params"]) for g in groups) != sum(
+            len(g["params"]) for g in self.optimizer.param_groups
+        ):
+            raise StateError("load_state: the saved optimizer covers a different set of parameters")
+        if "torch_cpu" not in state.tensors.get("rng.safetensors", {}) or type(state.meta.get("step")) is not int:
+            raise StateError("load_state: the state has no step or torch RNG; it is not a floe state")
+
+    def load_state(self, state: ZoneState) -> None:
+        """Apply a state `check_state` accepted; gradients not yet applied are discarded."""
+        opt_state: dict[int, dict[str, Any]] = {}
+        for key, value in state.tensors["optimizer.safetensors"].items():
+            idx, name = key.split(".", 1)
+            opt_state.setdefault(int(idx), {})[name] = value
+        for idx, values in state.meta["optimizer_scalars"].items():
+            opt_state.setdefault(int(idx), {}).update(values)
+        with torch.no_grad():
+            self.model.load_state_dict(state.tensors["policy.safetensors"], strict=True)
+        self.optimizer.load_state_dict({"state": opt_state, "param_groups": state.meta["param_groups"]})
+        self.discard_gradients()
+        self.step = int(state.meta["step"])
+        torch.set_rng_state(state.tensors["rng.safetensors"]["torch_cpu"])
 
 
 def _token_inputs(

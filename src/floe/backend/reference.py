@@ -11,6 +11,8 @@ from floe.types import Batch, ForwardResult
 
 
 class ReferenceZone:
+    """Implements `zones.ReferenceWorker`: forward only, no state to save."""
+
     def __init__(self, model: PreTrainedModel, compute: ComputeConfig, source: str):
         self.model = model
         self.compute = compute

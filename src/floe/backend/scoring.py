@@ -1,13 +1,11 @@
 """Running a causal LM over ragged groups to get per-token log-probs of their samples.
 
 Shared by the policy zone (with autograd) and the reference zone (without). A micro-batch of
-group parts runs in one of three layouts, all giving the same numbers:
+group parts runs in one of two layouts, giving the same numbers:
 
 * `shared_prefix`: one packed stream per micro-batch in which each part's prompt appears
   once and its samples attend to it (compute/prefix.py). The default where supported and
   where the cost model says it pays (`ComputeConfig.prefix_dedup`).
-* `packed`: the same stream without dedup, one `prompt + sample` run per sample and no
-  padding (used by benchmarks to separate de-padding from dedup gains).
 * `padded`: one right-padded row `prompt + sample[:-1]` per sample. Right padding is safe
   without an attention mask: under causal attention a position never sees the padding after
   it. Works for every causal LM; the fallback.
@@ -72,21 +70,18 @@ def _padded_inputs(parts: Parts, device: torch.device) -> tuple[torch.Tensor, to
     return ids.to(device), torch.tensor(positions, dtype=torch.long, device=device)
 
 
-def _stream_inputs(
-    parts: Parts, dedup: bool, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, prefix.StreamLayout]:
-    """Stream token ids [T], flat indices of scored positions, and the stream layout."""
-    stream_parts = parts if dedup else [(prompt, [s]) for prompt, samples in parts for s in samples]
+def _stream_inputs(parts: Parts, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, prefix.StreamLayout]:
+    """Shared-prefix stream token ids [T], flat indices of scored positions, and the stream layout."""
     ids: list[int] = []
     scored: list[int] = []
-    for prompt, samples in stream_parts:
+    for prompt, samples in parts:
         last_prompt = len(ids) + len(prompt) - 1
         ids.extend(prompt)
         for tokens in samples:
             scored.append(last_prompt)
             scored.extend(range(len(ids), len(ids) + len(tokens) - 1))
             ids.extend(tokens[:-1])
-    layout = prefix.build_stream([(len(p), [len(s) - 1 for s in ss]) for p, ss in stream_parts], device)
+    layout = prefix.build_stream([(len(p), [len(s) - 1 for s in ss]) for p, ss in parts], device)
     return (
         torch.tensor(ids, dtype=torch.long, device=device),
         torch.tensor(scored, dtype=torch.long, device=device),
@@ -104,7 +99,7 @@ def score_parts(
 ) -> list[ScoredPart]:
     """Log-probs (and entropies) of every sample of `parts`, run in the given layout.
 
-    The stream layouts need `prefix.install(model)` and a supported model
+    `shared_prefix` needs `prefix.install(model)` and a supported model
     (`uses_prefix_dedup`); `padded` works for every causal LM.
     """
     device = next(model.parameters()).device
@@ -122,7 +117,7 @@ def score_parts(
         hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
         hidden = hidden.reshape(-1, hidden.shape[-1])
     else:
-        ids, positions, stream = _stream_inputs(parts, layout == "shared_prefix", device)
+        ids, positions, stream = _stream_inputs(parts, device)
         hidden = prefix.stream_forward(model, ids, stream)
     head = model.get_output_embeddings()
     logp, ent = token_logprobs(

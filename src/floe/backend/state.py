@@ -1,14 +1,16 @@
-"""Saved backend states on disk: weights, optimizer, step, version and RNG, written atomically.
+"""Saved backend states on disk: the files, their format, and the directory operations.
 
 A state is a directory `<state_dir>/<name>/` holding only safetensors and JSON (nothing that
 executes code on load):
   policy.safetensors     the policy's weights
   optimizer.safetensors  AdamW moments and step counts, keyed "<param index>.<key>"
-  rng.safetensors        torch's CPU RNG and the sampler's generator
-  state.json             step, sampler version, optimizer hyper-parameters, model name
-It is written into a temporary sibling and renamed into place, so a crash leaves either the
-old state or the new one, never a mix. Loading reads and checks everything before touching
-the live zones, so a bad or mismatched state changes nothing.
+  rng.safetensors        torch's CPU RNG ("torch_cpu", the policy's) and the sampler's generator ("sampler")
+  state.json             format, model name, step, sampler version, optimizer hyper-parameters
+Each zone produces and consumes its own part as a `ZoneState` (tensors per file, JSON keys);
+this module merges the parts into one directory and splits it back, so the zones never see
+paths and the format is the same as before zones owned their state. The directory is written
+through `floe.atomic.atomic_directory` (a crash leaves the old state or the new one, never a
+mix); reading returns everything before any zone changes, so a bad state changes nothing.
 """
 
 from __future__ import annotations
@@ -17,171 +19,98 @@ import json
 import os
 import re
 import shutil
-import tempfile
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from floe.atomic import atomic_directory, recover, recover_all
 from floe.errors import InvalidInput, StateError
 
+__all__ = [
+    "FORMAT_VERSION", "STATE_FILES", "ZoneState", "check_state_name", "delete_state_dir", "list_state_dirs",
+    "read_meta", "read_state", "write_state",
+]
+
 FORMAT_VERSION = 1
+STATE_FILES = ("policy.safetensors", "optimizer.safetensors", "rng.safetensors")
+_META = "state.json"
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 
 
 def check_state_name(name: Any) -> str:
+    """`name` if it is a valid state name, else InvalidInput("name", ...)."""
     if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
         raise InvalidInput("name", "a state name is 1-128 letters, digits, '_', '-', '.', not starting with '.'")
     return name
 
 
 @dataclass
-class LoadedState:
-    """Everything read from a state directory, checked but not yet applied."""
+class ZoneState:
+    """One zone's part of a saved state (or, read back, the whole state): tensors by file
+    name (one of STATE_FILES) and by key, plus JSON-able values for state.json."""
 
-    weights: dict[str, torch.Tensor]
-    optimizer_state: dict[str, Any]
-    step: int
-    sampler_version: int
-    torch_rng: torch.Tensor
-    sampler_rng: torch.Tensor
+    tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
 
 
-def atomic_directory(final: Path) -> "_AtomicDir":
-    return _AtomicDir(final)
+def _merge(parts: list[ZoneState]) -> ZoneState:
+    out = ZoneState({name: {} for name in STATE_FILES}, {})
+    for part in parts:
+        for file, tensors in part.tensors.items():
+            if file not in out.tensors or out.tensors[file].keys() & tensors.keys():
+                raise ValueError(f"state parts collide or use an unknown file: {file}")
+            out.tensors[file].update(tensors)
+        if out.meta.keys() & part.meta.keys():
+            raise ValueError(f"state parts collide in state.json keys: {sorted(out.meta.keys() & part.meta.keys())}")
+        out.meta.update(part.meta)
+    return out
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def write_state(directory: Path, parts: list[ZoneState], model_name: str) -> None:
+    """Write the zones' parts as one state directory, atomically replacing a state of the same name."""
+    merged = _merge(parts)
+    meta = {"format": FORMAT_VERSION, "model": model_name, **merged.meta}
+    with atomic_directory(directory, replace=True) as tmp:
+        for file in STATE_FILES:
+            save_file(merged.tensors[file], str(tmp / file))
+        (tmp / _META).write_text(json.dumps(meta, indent=2))
 
 
-def recover(final: Path) -> None:
-    """Finish an interrupted swap: if `final` is missing but its previous version was moved
-    aside (a crash between the two renames), move that version back."""
-    if final.exists():
-        return
-    for old in sorted(final.parent.glob(f".{final.name}.old-*")):
-        if (old / "state.json").is_file() or (old / "config.json").is_file():
-            os.replace(old, final)
-            return
-
-
-def recover_all(parent: Path) -> None:
-    """`recover` every entry of `parent` whose swap a crash interrupted."""
-    for old in parent.glob(".*.old-*"):
-        recover(parent / old.name[1:].split(".old-")[0])
-
-
-class _AtomicDir:
-    """Context manager: yields a temp dir next to `final`; on success swaps it into place.
-
-    The swap is two renames (old aside, new in); a crash between them is repaired by
-    `recover`, which every reader calls first. Leftover temp dirs of a crashed write are removed.
-    """
-
-    def __init__(self, final: Path):
-        self.final = final
-
-    def __enter__(self) -> Path:
-        self.final.parent.mkdir(parents=True, exist_ok=True)
-        recover(self.final)
-        for stale in self.final.parent.glob(f".{self.final.name}.tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.final.name}.tmp-", dir=self.final.parent))
-        self.tmp.chmod(0o755)  # mkdtemp's 0o700 would make shared checkpoints unreadable to others
-        return self.tmp
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            return
-        for f in self.tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        old = None
-        if self.final.exists():
-            old = self.final.parent / f".{self.final.name}.old-{os.getpid()}"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(self.final, old)
-        os.replace(self.tmp, self.final)
-        _fsync_dir(self.final.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-
-
-def save_state(
-    directory: Path,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    step: int,
-    sampler_version: int,
-    sampler_rng: torch.Tensor,
-    model_name: str,
-) -> None:
-    opt = optimizer.state_dict()
-    opt_tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, dict[str, float]] = {}
-    for idx, param_state in opt["state"].items():
-        for key, value in param_state.items():
-            if isinstance(value, torch.Tensor):
-                opt_tensors[f"{idx}.{key}"] = value.detach().cpu().contiguous()
-            else:
-                scalars.setdefault(str(idx), {})[key] = value
-    meta = {
-        "format": FORMAT_VERSION,
-        "model": model_name,
-        "step": step,
-        "sampler_version": sampler_version,
-        "param_groups": opt["param_groups"],
-        "optimizer_scalars": scalars,
-    }
-    with atomic_directory(directory) as tmp:
-        # clone() un-ties shared tensors (tied embeddings) so safetensors can store them.
-        weights = {k: v.detach().cpu().clone().contiguous() for k, v in model.state_dict().items()}
-        save_file(weights, str(tmp / "policy.safetensors"))
-        save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
-        save_file({"torch_cpu": torch.get_rng_state(), "sampler": sampler_rng}, str(tmp / "rng.safetensors"))
-        (tmp / "state.json").write_text(json.dumps(meta, indent=2))
-
-
-def read_state(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> LoadedState:
-    """Read and check a saved state against the live model; raises before anything changes."""
+def read_state(directory: Path) -> ZoneState:
+    """Everything in a state directory; StateError when there is none or its format differs.
+    Zones check their own part against the live model before anything is applied."""
     recover(directory)
-    if not (directory / "state.json").is_file():
+    if not (directory / _META).is_file():
         raise StateError(f"load_state: no saved state at {directory}")
-    meta = json.loads((directory / "state.json").read_text())
+    meta = json.loads((directory / _META).read_text())
     if meta.get("format") != FORMAT_VERSION:
         raise StateError(f"load_state: state format {meta.get('format')} is not {FORMAT_VERSION}")
-    weights = load_file(str(directory / "policy.safetensors"))
-    live = model.state_dict()
-    if weights.keys() != live.keys():
-        diff = sorted(set(weights) ^ set(live))[:5]
-        raise StateError(f"load_state: saved weights do not match this model (e.g. {diff})")
-    for k, v in weights.items():
-        if v.shape != live[k].shape:
-            raise StateError(f"load_state: {k} has shape {tuple(v.shape)}, the model {tuple(live[k].shape)}")
-    tensors = load_file(str(directory / "optimizer.safetensors"))
-    state: dict[int, dict[str, Any]] = {}
-    for key, value in tensors.items():
-        idx, name = key.split(".", 1)
-        state.setdefault(int(idx), {})[name] = value
-    for idx, values in meta["optimizer_scalars"].items():
-        state.setdefault(int(idx), {}).update(values)
-    groups = meta["param_groups"]
-    if sum(len(g["params"]) for g in groups) != sum(len(g["params"]) for g in optimizer.param_groups):
-        raise StateError("load_state: the saved optimizer covers a different set of parameters")
-    rng = load_file(str(directory / "rng.safetensors"))
-    return LoadedState(
-        weights=weights,
-        optimizer_state={"state": state, "param_groups": groups},
-        step=int(meta["step"]),
-        sampler_version=int(meta["sampler_version"]),
-        torch_rng=rng["torch_cpu"],
-        sampler_rng=rng["sampler"],
-    )
+    return ZoneState({file: load_file(str(directory / file)) for file in STATE_FILES}, meta)
+
+
+def read_meta(directory: Path) -> dict[str, Any] | None:
+    """state.json of a saved state, or None when there is no state at `directory`."""
+    recover(directory)
+    if not (directory / _META).is_file():
+        return None
+    return json.loads((directory / _META).read_text())
+
+
+def list_state_dirs(parent: Path) -> list[str]:
+    """Names of the saved states under `parent`, sorted (interrupted swaps recovered first)."""
+    if not parent.is_dir():
+        return []
+    recover_all(parent)
+    return sorted(p.name for p in parent.iterdir() if (p / _META).is_file() and not p.name.startswith("."))
+
+
+def delete_state_dir(directory: Path) -> None:
+    """Remove a state: renamed aside first (it leaves the listing at once and a crash cannot
+    leave a half-deleted state under its name), then removed."""
+    aside = directory.parent / f".{directory.name}.deleted-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    os.replace(directory, aside)
+    shutil.rmtree(aside, ignore_errors=True)

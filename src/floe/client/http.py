@@ -6,6 +6,8 @@ its cache instead of running it twice. Connection failures and 502/503/504 are r
 exponential backoff, the same request id and the same bytes, until the call's `timeout`
 (seconds, all attempts included) runs out. Server-side InvalidInput and StateError are raised
 here unchanged (same field, same message), so client code behaves as with an embedded backend.
+A call that fails with RemoteUnavailable moves the transport to a fresh stream (new client id,
+sequence from 1): the server may never have seen that number, and later calls would wait for it.
 """
 
 from __future__ import annotations
@@ -22,13 +24,20 @@ from typing import Any
 
 import httpx
 
-from floe.server import wire
-from floe.server.errors import RemoteUnavailable, raise_remote_error
+from floe.protocol import wire
+from floe.protocol.errors import RemoteUnavailable, raise_remote_error
 
 RETRY_STATUSES = frozenset({502, 503, 504})
 
 
 class HttpTransport:
+    """The operations of floe.protocol.ops.OPS as `POST /api/<op>` to a `floe serve` at `url`.
+
+    token: the bearer token (default: $FLOE_TOKEN). timeout: seconds one call may take, all
+    retries included (default 600); connect_timeout: seconds per connection attempt (10);
+    backoff_initial / backoff_max: seconds between retries, doubling (0.1 up to 5).
+    """
+
     def __init__(
         self,
         url: str,
@@ -55,20 +64,33 @@ class HttpTransport:
         self._tokenizer: Any = None
 
     def call(self, op: str, **kwargs: Any) -> Any:
+        """Run `op` on the server; raises what the backend raised (InvalidInput, StateError),
+        RemoteError for other refusals, RemoteUnavailable when the server stays unreachable."""
         body = wire.encode_request(op, kwargs)
-        with self._seq_lock:
-            seq = next(self._seq)
-        headers = {"Content-Type": wire.MEDIA_TYPE, wire.CLIENT_HEADER: self.client_id, wire.SEQ_HEADER: str(seq)}
+        client_id, seq = self.next_request_id()
+        headers = {"Content-Type": wire.MEDIA_TYPE, wire.CLIENT_HEADER: client_id, wire.SEQ_HEADER: str(seq)}
         try:
             response = self.request("POST", f"/api/{op}", content=body, headers=headers)
         except RemoteUnavailable:
             # The server may never have seen this sequence number; later calls would wait for it
             # forever. Continue on a fresh stream (new client id); this call's outcome is unknown.
-            with self._seq_lock:
-                self.client_id = uuid.uuid4().hex
-                self._seq = itertools.count(1)
+            self._restart_stream(client_id)
             raise
         return wire.decode_result(op, response.content)
+
+    def next_request_id(self) -> tuple[str, int]:
+        """(client id, sequence number) of the next request, taken together under one lock so
+        no request ever pairs one stream's id with another stream's number."""
+        with self._seq_lock:
+            return self.client_id, next(self._seq)
+
+    def _restart_stream(self, failed_client_id: str) -> None:
+        """Continue on a new stream after a call of stream `failed_client_id` was lost (once per
+        stream: a second lost call of the same stream does not restart the new one)."""
+        with self._seq_lock:
+            if self.client_id == failed_client_id:
+                self.client_id = uuid.uuid4().hex
+                self._seq = itertools.count(1)
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         """One HTTP request with retries of transient failures; raises the server's error."""
@@ -109,7 +131,7 @@ class HttpTransport:
                 self._tokenizer = AutoTokenizer.from_pretrained(tmp)
         return self._tokenizer
 
-    def fork(self) -> "HttpTransport":
+    def fork(self) -> HttpTransport:
         """A new ordered stream (its own client id and sequence) to the same server."""
         return HttpTransport(
             self.url, self._token, timeout=self.timeout, connect_timeout=self.connect_timeout,

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 # How a micro-batch runs through the model (see backend/scoring.py): one padded row per
-# sample, one packed stream without dedup, or the shared-prefix stream (compute/prefix.py).
-Layout = Literal["padded", "packed", "shared_prefix"]
+# sample, or the shared-prefix stream (compute/prefix.py).
+Layout = Literal["padded", "shared_prefix"]
 
 
 @dataclass(frozen=True)

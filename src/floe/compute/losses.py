@@ -1,4 +1,10 @@
-"""RL and SFT losses on flat per-token tensors, chosen by name with a validated config.
+"""The loss registry and the per-token loss math, chosen by name with a validated config.
+
+`LOSSES` holds one `LossDef` per loss: its name, its config class, its per-token function and
+the inputs it needs (old log-probs, advantages, reference log-probs). Everything else is
+derived from it: `resolve_loss` (name + config dict -> `LossSpec`), the `LossSpec.needs_*`
+checks the backend validates batches with, `loss_capabilities()` (what `info()` reports) and
+the recipe's `[train.loss]` union (floe.rl.config). Adding a loss is one `LossDef`.
 
 Every loss is written per token (see docs/losses.md for the formulas) and aggregated with an
 explicit per-token `scale` that the caller computes once for the whole `forward_backward`
@@ -10,8 +16,9 @@ Pure tensor math: no model, no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from pydantic import Field, model_validator
@@ -20,13 +27,15 @@ from floe.config import StrictModel, parse_config
 from floe.errors import InvalidInput
 
 Aggregation = Literal["sum", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+KLEstimator = Literal["k1", "k2", "k3"]
+LossInput = Literal["old_logprobs", "advantages", "ref_logprobs"]
 
 
 class KLConfig(StrictModel):
     """KL penalty against the reference log-probs: coef * k per token."""
 
     coef: float = Field(0.0, ge=0)
-    estimator: Literal["k1", "k2", "k3"] = "k3"
+    estimator: KLEstimator = "k3"
 
 
 class EntropyConfig(StrictModel):
@@ -83,51 +92,6 @@ class GSPOConfig(ClippedConfig):
     clip_high: float = Field(4e-4, ge=0)
 
 
-LOSS_CONFIGS: dict[str, type[LossConfig]] = {
-    "cross_entropy": CrossEntropyConfig,
-    "importance_sampling": ImportanceSamplingConfig,
-    "ppo": PPOConfig,
-    "cispo": CISPOConfig,
-    "gspo": GSPOConfig,
-}
-
-
-@dataclass(frozen=True)
-class LossSpec:
-    """A resolved loss: its name and validated config."""
-
-    name: str
-    config: LossConfig
-
-    @property
-    def needs_old_logprobs(self) -> bool:
-        return self.name != "cross_entropy"
-
-    @property
-    def needs_advantages(self) -> bool:
-        return self.name != "cross_entropy"
-
-    @property
-    def needs_ref_logprobs(self) -> bool:
-        return self.config.kl.coef > 0
-
-    @property
-    def needs_entropy_grad(self) -> bool:
-        return self.config.entropy.coef > 0
-
-    def resolved(self) -> dict[str, Any]:
-        return self.config.model_dump()
-
-
-def resolve_loss(name: str, config: dict[str, Any] | None) -> LossSpec:
-    """Validate a loss name and config dict; unknown names and keys are errors."""
-    if name not in LOSS_CONFIGS:
-        raise InvalidInput("loss", f"unknown loss {name!r}; choose one of {sorted(LOSS_CONFIGS)}")
-    if config is not None and not isinstance(config, dict):
-        raise InvalidInput("loss_config", "must be a mapping of config keys to values")
-    return LossSpec(name, parse_config(LOSS_CONFIGS[name], config or {}, where="loss_config"))
-
-
 @dataclass
 class TokenInputs:
     """Flat per-token tensors for the samples of one micro-batch (concatenated in order).
@@ -145,6 +109,17 @@ class TokenInputs:
     advantages: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
+
+
+@dataclass
+class TokenLoss:
+    """What a per-token loss function returns, each of shape [T] (T = tokens of the micro-batch):
+    `loss` the unweighted per-token loss ℓ_t, `clipped` which tokens' clipped branch was
+    active, `bounded` which tokens' exponential hit EXP_BOUND (see `bounded_exp`)."""
+
+    loss: torch.Tensor
+    clipped: torch.Tensor
+    bounded: torch.Tensor
 
 
 def aggregation_scales(
@@ -173,46 +148,60 @@ def _clip_ratio(ratio: torch.Tensor, cfg: ClippedConfig) -> torch.Tensor:
     return ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
 
 
-def _kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+# Every exponential of a log-prob difference goes through `bounded_exp`: exp(x) up to x = EXP_BOUND,
+# then the tangent line, exp(B)·(1 + x − B). Value and slope are continuous at B and finite for
+# any finite x, so no gap between two log-probs can make a loss or a gradient inf/NaN (a policy
+# log-prob of −100 where the reference has −4.7 gives exp(95.3) = inf in float32). exp(20) ≈
+# 4.9e8 is far beyond any ratio a clipped loss uses, so the bound changes nothing in normal
+# training; `finalize_metrics` reports `exp_bounded_tokens` when it bites. Same idea as verl's
+# clamp of the log-ratio to ±20, but the tangent keeps a gradient pointing the right way.
+EXP_BOUND = 20.0
+
+
+def bounded_exp(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exp(x) with its tail above EXP_BOUND replaced by the tangent line, bool mask of x > EXP_BOUND).
+
+    Shapes follow `x`. The two branches are combined without `torch.where` over an overflowed
+    exp, so the backward pass never multiplies 0 by inf.
+    """
+    head = torch.exp(x.clamp(max=EXP_BOUND))
+    tail = (x - EXP_BOUND).clamp(min=0.0) * torch.exp(torch.tensor(EXP_BOUND, dtype=x.dtype, device=x.device))
+    return head + tail, (x > EXP_BOUND).detach()
+
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token estimate of KL(policy ‖ reference) on tokens drawn from the policy, and the
+    mask of tokens where `bounded_exp` bit. d = logp − ref_logp:
+    k1 = d, k2 = ½d², k3 = exp(−d) + d − 1 (Schulman, "Approximating KL Divergence", 2020)."""
     diff = logp - ref_logp
+    none = torch.zeros_like(diff, dtype=torch.bool)
     if estimator == "k1":
-        return diff
+        return diff, none
     if estimator == "k2":
-        return 0.5 * diff**2
-    return torch.exp(-diff) + diff - 1.0  # k3 = exp(ref - logp) - (ref - logp) - 1
+        return 0.5 * diff**2, none
+    ratio, bounded = bounded_exp(-diff)  # k3 = exp(ref - logp) - (ref - logp) - 1
+    return ratio + diff - 1.0, bounded
 
 
 def _segment_sum(values: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=values.dtype, device=values.device).index_add(0, index, values)
 
 
-def per_token_policy_loss(spec: LossSpec, x: TokenInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """The unweighted per-token loss ℓ_t and a bool tensor marking clipped tokens."""
-    name, cfg = spec.name, spec.config
-    if name == "cross_entropy":
-        return -x.logp, torch.zeros_like(x.logp, dtype=torch.bool)
+def _cross_entropy(cfg: LossConfig, x: TokenInputs) -> TokenLoss:
+    none = torch.zeros_like(x.logp, dtype=torch.bool)
+    return TokenLoss(-x.logp, none, none)
+
+
+def _importance_sampling(cfg: LossConfig, x: TokenInputs) -> TokenLoss:
     assert x.old_logp is not None and x.advantages is not None
+    ratio, bounded = bounded_exp(x.logp - x.old_logp)
+    return TokenLoss(-ratio * x.advantages, torch.zeros_like(ratio, dtype=torch.bool), bounded)
+
+
+def _ppo(cfg: LossConfig, x: TokenInputs) -> TokenLoss:
+    assert isinstance(cfg, PPOConfig) and x.old_logp is not None and x.advantages is not None
     adv = x.advantages
-    if name == "gspo":
-        assert isinstance(cfg, GSPOConfig)
-        # s_i = exp(mean over the sample's loss tokens of (logp - old)); gradient flows through it.
-        mask = (x.weights != 0).to(x.logp.dtype)
-        delta_sum = _segment_sum((x.logp - x.old_logp) * mask, x.sample_index, x.num_samples)
-        count = _segment_sum(mask, x.sample_index, x.num_samples).clamp_min(1.0)
-        seq_ratio = torch.exp(delta_sum / count)[x.sample_index]
-        clipped_ratio = _clip_ratio(seq_ratio, cfg)
-        loss = -torch.minimum(seq_ratio * adv, clipped_ratio * adv)
-        clipped = (seq_ratio * adv).detach() > (clipped_ratio * adv).detach()
-        return loss, clipped
-    ratio = torch.exp(x.logp - x.old_logp)
-    if name == "importance_sampling":
-        return -ratio * adv, torch.zeros_like(ratio, dtype=torch.bool)
-    if name == "cispo":
-        assert isinstance(cfg, CISPOConfig)
-        clipped_ratio = _clip_ratio(ratio, cfg).detach()
-        clipped = (ratio.detach() != clipped_ratio)
-        return -clipped_ratio * adv * x.logp, clipped
-    assert name == "ppo" and isinstance(cfg, PPOConfig)
+    ratio, bounded = bounded_exp(x.logp - x.old_logp)
     clipped_ratio = _clip_ratio(ratio, cfg)
     unclipped_obj, clipped_obj = ratio * adv, clipped_ratio * adv
     loss = -torch.minimum(unclipped_obj, clipped_obj)
@@ -222,7 +211,127 @@ def per_token_policy_loss(spec: LossSpec, x: TokenInputs) -> tuple[torch.Tensor,
         dual_active = (adv < 0) & (loss.detach() > cap.detach())
         loss = torch.where(adv < 0, torch.minimum(loss, cap), loss)
         clipped = clipped | dual_active
-    return loss, clipped
+    return TokenLoss(loss, clipped, bounded)
+
+
+def _cispo(cfg: LossConfig, x: TokenInputs) -> TokenLoss:
+    assert isinstance(cfg, CISPOConfig) and x.old_logp is not None and x.advantages is not None
+    ratio, bounded = bounded_exp(x.logp - x.old_logp)
+    clipped_ratio = _clip_ratio(ratio, cfg).detach()
+    clipped = (ratio.detach() != clipped_ratio)
+    return TokenLoss(-clipped_ratio * x.advantages * x.logp, clipped, bounded)
+
+
+def _gspo(cfg: LossConfig, x: TokenInputs) -> TokenLoss:
+    assert isinstance(cfg, GSPOConfig) and x.old_logp is not None and x.advantages is not None
+    adv = x.advantages
+    # s_i = exp(mean over the sample's loss tokens of (logp - old)); gradient flows through it.
+    mask = (x.weights != 0).to(x.logp.dtype)
+    delta_sum = _segment_sum((x.logp - x.old_logp) * mask, x.sample_index, x.num_samples)
+    count = _segment_sum(mask, x.sample_index, x.num_samples).clamp_min(1.0)
+    seq_ratio, bounded = bounded_exp(delta_sum / count)
+    seq_ratio, bounded = seq_ratio[x.sample_index], bounded[x.sample_index]
+    clipped_ratio = _clip_ratio(seq_ratio, cfg)
+    loss = -torch.minimum(seq_ratio * adv, clipped_ratio * adv)
+    clipped = (seq_ratio * adv).detach() > (clipped_ratio * adv).detach()
+    return TokenLoss(loss, clipped, bounded)
+
+
+PerTokenLoss = Callable[[LossConfig, TokenInputs], "TokenLoss"]
+
+
+@dataclass(frozen=True)
+class LossDef:
+    """One loss: its name, config class, per-token function and the inputs it needs.
+
+    `per_token(config, inputs)` returns a `TokenLoss` (per-token loss ℓ_t, clipped and
+    exp-bounded masks). `inputs` lists the per-sample fields every sample must carry for
+    this loss (reference log-probs are also needed by any loss whose `kl.coef` > 0).
+    """
+
+    name: str
+    config: type[LossConfig]
+    per_token: PerTokenLoss
+    inputs: tuple[LossInput, ...]
+    summary: str
+
+
+_POLICY_INPUTS: tuple[LossInput, ...] = ("old_logprobs", "advantages")
+
+LOSSES: dict[str, LossDef] = {
+    d.name: d
+    for d in (
+        LossDef("cross_entropy", CrossEntropyConfig, _cross_entropy, (), "SFT: -w*logp"),
+        LossDef("importance_sampling", ImportanceSamplingConfig, _importance_sampling, _POLICY_INPUTS, "-r*A"),
+        LossDef("ppo", PPOConfig, _ppo, _POLICY_INPUTS, "-min(r*A, clip(r)*A), optional dual clip"),
+        LossDef("cispo", CISPOConfig, _cispo, _POLICY_INPUTS, "-sg(clip(r))*A*logp"),
+        LossDef("gspo", GSPOConfig, _gspo, _POLICY_INPUTS, "sequence-level ratio, clipped like ppo"),
+    )
+}
+
+
+def loss_names() -> str:
+    """The registered loss names, sorted and comma-separated (for error messages)."""
+    return ", ".join(sorted(LOSSES))
+
+
+def loss_capabilities() -> dict[str, Any]:
+    """What `Backend.info().capabilities` reports about losses: names (registry order),
+    aggregations and KL estimators."""
+    return {
+        "losses": list(LOSSES),
+        "aggregations": list(get_args(Aggregation)),
+        "kl_estimators": list(get_args(KLEstimator)),
+    }
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """A resolved loss: its name and validated config; what it needs comes from `LOSSES`."""
+
+    name: str
+    config: LossConfig
+
+    @property
+    def definition(self) -> LossDef:
+        return LOSSES[self.name]
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        return "old_logprobs" in self.definition.inputs
+
+    @property
+    def needs_advantages(self) -> bool:
+        return "advantages" in self.definition.inputs
+
+    @property
+    def needs_ref_logprobs(self) -> bool:
+        return "ref_logprobs" in self.definition.inputs or self.config.kl.coef > 0
+
+    @property
+    def needs_entropy_grad(self) -> bool:
+        return self.config.entropy.coef > 0
+
+    def resolved(self) -> dict[str, Any]:
+        return self.config.model_dump()
+
+
+def resolve_loss(name: str, config: dict[str, Any] | None) -> LossSpec:
+    """Validate a loss name and config dict into a `LossSpec`.
+
+    Raises InvalidInput("loss", ...) for an unknown name (listing the registered ones) and
+    InvalidInput("loss_config.<key>", ...) for an unknown key or a bad value.
+    """
+    if name not in LOSSES:
+        raise InvalidInput("loss", f"unknown loss {name!r}; choose one of {loss_names()}")
+    if config is not None and not isinstance(config, dict):
+        raise InvalidInput("loss_config", "must be a mapping of config keys to values")
+    return LossSpec(name, parse_config(LOSSES[name].config, config or {}, where="loss_config"))
+
+
+def per_token_policy_loss(spec: LossSpec, x: TokenInputs) -> TokenLoss:
+    """The unweighted per-token loss ℓ_t with its clipped and exp-bounded masks."""
+    return spec.definition.per_token(spec.config, x)
 
 
 def compute_loss(spec: LossSpec, x: TokenInputs) -> tuple[torch.Tensor, dict[str, float]]:
@@ -232,10 +341,13 @@ def compute_loss(spec: LossSpec, x: TokenInputs) -> tuple[torch.Tensor, dict[str
     are combined across micro-batches by `finalize_metrics`.
     """
     cfg = spec.config
-    loss_tok, clipped = per_token_policy_loss(spec, x)
+    out = per_token_policy_loss(spec, x)
+    loss_tok, clipped, bounded = out.loss, out.clipped, out.bounded
     if cfg.kl.coef > 0:
         assert x.ref_logp is not None
-        loss_tok = loss_tok + cfg.kl.coef * _kl_estimate(x.logp, x.ref_logp, cfg.kl.estimator)
+        kl, kl_bounded = kl_estimate(x.logp, x.ref_logp, cfg.kl.estimator)
+        loss_tok = loss_tok + cfg.kl.coef * kl
+        bounded = bounded | kl_bounded
     if cfg.entropy.coef > 0:
         assert x.entropy is not None
         loss_tok = loss_tok - cfg.entropy.coef * x.entropy
@@ -250,18 +362,22 @@ def compute_loss(spec: LossSpec, x: TokenInputs) -> tuple[torch.Tensor, dict[str
             "tokens": float(n_active),
             "weight_sum": float(x.weights.sum()),
             "clipped_tokens": float((clipped & active).sum()),
+            "exp_bounded_tokens": float((bounded & active).sum()),
         }
         if x.entropy is not None:
             sums["entropy_sum"] = float(x.entropy[active].sum())
         if x.old_logp is not None and n_active:
-            log_ratio = (x.logp - x.old_logp)[active]
-            ratio = torch.exp(log_ratio)
+            # Tokens were drawn from the sampler (old). With r = p_policy / p_sampler:
+            # KL(sampler ‖ policy) = E_sampler[−log r] (k1) = E_sampler[r − 1 − log r] (k3).
+            log_r = (x.logp - x.old_logp)[active]
+            ratio, _ = bounded_exp(log_r)
             sums["ratio_sum"] = float(ratio.sum())
             sums["ratio_min"] = float(ratio.min())
             sums["ratio_max"] = float(ratio.max())
-            sums["kl_sampler_sum"] = float(_kl_estimate(x.logp[active], x.old_logp[active], "k3").sum())
+            sums["kl_sampler_k1_sum"] = float((-log_r).sum())
+            sums["kl_sampler_k3_sum"] = float((ratio - 1.0 - log_r).sum())
         if x.ref_logp is not None and n_active:
-            sums["kl_ref_sum"] = float(_kl_estimate(x.logp[active], x.ref_logp[active], "k3").sum())
+            sums["kl_ref_k3_sum"] = float(kl_estimate(x.logp[active], x.ref_logp[active], "k3")[0].sum())
     return loss, sums
 
 
@@ -280,7 +396,11 @@ def finalize_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
         out["ratio_mean"] = sum(p.get("ratio_sum", 0.0) for p in parts) / denom
         out["ratio_min"] = min(p["ratio_min"] for p in parts if "ratio_min" in p)
         out["ratio_max"] = max(p["ratio_max"] for p in parts if "ratio_max" in p)
-        out["approx_kl_sampler"] = sum(p.get("kl_sampler_sum", 0.0) for p in parts) / denom
-    if any("kl_ref_sum" in p for p in parts):
-        out["kl_ref"] = sum(p.get("kl_ref_sum", 0.0) for p in parts) / denom
+        out["kl_sampler_k1"] = sum(p.get("kl_sampler_k1_sum", 0.0) for p in parts) / denom
+        out["kl_sampler_k3"] = sum(p.get("kl_sampler_k3_sum", 0.0) for p in parts) / denom
+    if any("kl_ref_k3_sum" in p for p in parts):
+        out["kl_ref_k3"] = sum(p.get("kl_ref_k3_sum", 0.0) for p in parts) / denom
+    bounded = sum(p.get("exp_bounded_tokens", 0.0) for p in parts)
+    if bounded:
+        out["exp_bounded_tokens"] = bounded  # reported only when EXP_BOUND bit
     return out

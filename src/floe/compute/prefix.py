@@ -23,7 +23,9 @@ function is plain SDPA, so a model with it installed behaves as before everywher
 
 Supported: decoder-only models whose attention modules use transformers' attention
 interface without extras this module does not implement (sliding windows, soft-capping,
-sinks): Llama, Qwen2, Qwen3 and Mistral families. Everything else takes the padded path.
+sinks): Llama, Qwen2, Qwen3 and Mistral families, loaded with SDPA attention (the default).
+Everything else, and any model loaded with another attention implementation (eager, flex,
+flash), takes the padded path, so the chosen kernel is the one that runs.
 """
 
 from __future__ import annotations
@@ -200,8 +202,9 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
     cfg = model.config
     if cfg.model_type not in SUPPORTED_MODEL_TYPES:
         return f"model type {cfg.model_type!r} is not one of {sorted(SUPPORTED_MODEL_TYPES)}"
-    if cfg._attn_implementation not in ("sdpa", "eager", ATTN_IMPLEMENTATION):
-        return f"attention implementation {cfg._attn_implementation!r} (floe needs sdpa or eager)"
+    if cfg._attn_implementation not in ("sdpa", ATTN_IMPLEMENTATION):
+        # Installing the prefix function would silently replace the chosen kernel with SDPA.
+        return f"attention implementation {cfg._attn_implementation!r} (shared-prefix attention runs on sdpa)"
     layer_types = getattr(cfg, "layer_types", None) or []
     if any(t != "full_attention" for t in layer_types):
         return "the model has sliding-window or other non-full attention layers"

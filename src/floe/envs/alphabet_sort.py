@@ -28,9 +28,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from floe.envs.base import Env, EnvFamily, Message, StepResult, Task
-from floe.envs.datafile import read_rows
-from floe.envs.options import FamilyOptions, parse_options
-from floe.envs.splits import data_file, generate_tasks, select_rows
+from floe.envs.options import DataFileOptions, parse_options
+from floe.envs.splits import family_tasks
 
 NAME = "alphabet_sort"
 NEW_MARK = "// new name!"
@@ -51,11 +50,9 @@ LAST_NAMES = (
 ALL_NAMES = tuple(first + last for first in FIRST_NAMES for last in LAST_NAMES)
 
 
-class AlphabetSortOptions(FamilyOptions):
-    """Options of the alphabet_sort family."""
+class AlphabetSortOptions(DataFileOptions):
+    """Options of the alphabet_sort family (data files: rows with a `names` list column)."""
 
-    data_path: str | None = None  # rows with a `names` list column (the public dataset); None = generate
-    eval_data_path: str | None = None
     min_turns: int = Field(1, ge=1)
     max_turns: int = Field(3, ge=1)
     min_names_per_turn: int = Field(1, ge=1)
@@ -159,29 +156,31 @@ class AlphabetSortFamily(EnvFamily):
     """Multi-turn name sorting; see the module docstring for the reward."""
 
     name = NAME
+    options_model = AlphabetSortOptions
 
     def __init__(self, **options: object) -> None:
         self.options = parse_options(AlphabetSortOptions, NAME, options)
 
     def tasks(self, split: str, count: int, seed: int) -> list[Task]:
-        opts = self.options
-        source = data_file(opts.data_path, opts.eval_data_path, split)
-        if source is None:
-            return generate_tasks(NAME, split, count, seed, self._draw)
-        path, option, presplit = source.path, source.option, source.presplit
-        rows = []
-        for row in read_rows(path, ("names",), option):
+        return family_tasks(
+            NAME, split, count, seed, data_path=self.options.data_path, eval_data_path=self.options.eval_data_path,
+            generator=lambda: self._draw, columns=("names",), rows=self._rows, key=_key,
+        )
+
+    def make_env(self, task: Task) -> Env:
+        return AlphabetSortEnv(task.data["turns"], task.data["sort_by"], self.options.similarity_power)
+
+    def _rows(self, rows: list[dict], option: str) -> list[dict]:
+        episodes = []
+        for row in rows:
             # As the peer: drop spaces inside names and duplicates; each row's episode is drawn
             # from an RNG seeded by the row itself so it does not depend on file order.
             names = list(dict.fromkeys(str(n).replace(" ", "") for n in row["names"]))
             rng = random.Random(hashlib.sha256("\n".join(names).encode()).hexdigest())
             episode = self._episode(rng, names, from_start=True)
             if episode is not None:  # rows with too few names for the drawn turns are skipped
-                rows.append(episode)
-        return select_rows(NAME, split, count, seed, rows, key=_key, presplit=presplit)
-
-    def make_env(self, task: Task) -> Env:
-        return AlphabetSortEnv(task.data["turns"], task.data["sort_by"], self.options.similarity_power)
+                episodes.append(episode)
+        return episodes
 
     def _draw(self, rng: random.Random) -> tuple[str, dict]:
         data = self._episode(rng, list(ALL_NAMES), from_start=False)

@@ -20,10 +20,9 @@ import re
 from pydantic import Field, model_validator
 
 from floe.envs.base import Env, EnvFamily, Task
-from floe.envs.datafile import read_rows
-from floe.envs.options import FamilyOptions, parse_options
+from floe.envs.options import DataFileOptions, parse_options
 from floe.envs.single_turn import Score, SingleTurnEnv, prompt_messages
-from floe.envs.splits import data_file, generate_tasks, select_rows
+from floe.envs.splits import family_tasks
 
 NAME = "math"
 INSTRUCTION = "Solve the problem. End your answer with #### and the number."
@@ -34,11 +33,9 @@ _PEOPLE = ("Tom", "Ann", "Sam", "Mia", "Ben", "Eva", "Leo", "Zoe", "Max", "Ivy")
 _ITEMS = ("apples", "pens", "books", "coins", "cards", "eggs", "shells", "stamps")
 
 
-class MathOptions(FamilyOptions):
-    """Options of the math family."""
+class MathOptions(DataFileOptions):
+    """Options of the math family (data files: GSM8K rows)."""
 
-    data_path: str | None = None  # GSM8K-format .jsonl/.json/.parquet; None = generate
-    eval_data_path: str | None = None  # eval rows; without it eval is a hash split of data_path
     min_level: int = Field(1, ge=1, le=3)
     max_level: int = Field(3, ge=1, le=3)
     max_number: int = Field(20, ge=2)  # largest operand in generated problems
@@ -75,18 +72,16 @@ class MathFamily(EnvFamily):
     """Arithmetic word problems; see the module docstring for the reward."""
 
     name = NAME
+    options_model = MathOptions
 
     def __init__(self, **options: object) -> None:
         self.options = parse_options(MathOptions, NAME, options)
 
     def tasks(self, split: str, count: int, seed: int) -> list[Task]:
-        opts = self.options
-        source = data_file(opts.data_path, opts.eval_data_path, split)
-        if source is None:
-            return generate_tasks(NAME, split, count, seed, self._draw)
-        path, option, presplit = source.path, source.option, source.presplit
-        rows = [_row_data(r, i, option) for i, r in enumerate(read_rows(path, ("question", "answer"), option))]
-        return select_rows(NAME, split, count, seed, rows, key=lambda r: r["question"], presplit=presplit)
+        return family_tasks(
+            NAME, split, count, seed, data_path=self.options.data_path, eval_data_path=self.options.eval_data_path,
+            generator=lambda: self._draw, columns=("question", "answer"), rows=_rows, key=lambda r: r["question"],
+        )
 
     def make_env(self, task: Task) -> Env:
         target = task.data["target"]
@@ -145,8 +140,11 @@ def _level3(rng: random.Random, top: int) -> tuple[str, int]:
 _LEVELS = {1: _level1, 2: _level2, 3: _level3}
 
 
-def _row_data(row: dict, index: int, option: str) -> dict:
-    target = gsm8k_target(str(row["answer"]))
-    if target is None:
-        raise ValueError(f"{option}: row {index} `answer` has no '#### N' final answer")
-    return {"question": str(row["question"]), "target": target}
+def _rows(rows: list[dict], option: str) -> list[dict]:
+    out = []
+    for index, row in enumerate(rows):
+        target = gsm8k_target(str(row["answer"]))
+        if target is None:
+            raise ValueError(f"{option}: row {index} `answer` has no '#### N' final answer")
+        out.append({"question": str(row["question"]), "target": target})
+    return out

@@ -1,17 +1,24 @@
-"""Turning ``make_family(name, **options)`` keyword options into a validated pydantic model.
+"""Env family options: the pydantic base models and the one place their errors are worded.
 
-Every family declares its options as a pydantic model with ``extra="forbid"``; this module owns
-the translation of pydantic's errors into one ``ValueError`` that names the offending fields,
-so a typo in a config file reads as "unknown option 'max_lenght' ... valid: ...".
+Every family declares its options as a ``FamilyOptions`` subclass (``extra="forbid"``, frozen)
+in its ``options_model`` class attribute; families that read rows from a file extend
+``DataFileOptions``. ``parse_options`` turns pydantic's errors into one ``InvalidInput`` whose
+field is the recipe path of the bad option, so a typo reads
+``env.options.max_lenght: unknown option 'max_lenght' for env family 'reverse_text'; valid
+options: ...`` whether it comes from a recipe or from ``make_family``.
 """
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from floe.errors import InvalidInput
+
 ModelT = TypeVar("ModelT", bound=BaseModel)
+
+OPTIONS_FIELD = "env.options"
 
 
 class FamilyOptions(BaseModel):
@@ -20,19 +27,36 @@ class FamilyOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-def parse_options(model: type[ModelT], family: str, options: dict) -> ModelT:
-    """Validate ``options`` for ``family``; raise ValueError naming bad or unknown fields."""
+class DataFileOptions(FamilyOptions):
+    """Options of a family that can read its tasks from a file instead of generating them."""
+
+    data_path: str | None = None  # .jsonl/.json/.parquet rows; None = generate
+    eval_data_path: str | None = None  # eval rows; without it eval is a hash split of data_path
+
+
+def parse_options(model: type[ModelT], family: str, options: dict[str, Any]) -> ModelT:
+    """Validate ``options`` for ``family`` into ``model``.
+
+    Raises InvalidInput with field ``env.options.<key>`` for the first unknown or invalid
+    option (``env.options`` for a rule across options); unknown options are listed with the
+    valid ones.
+    """
     valid = sorted(model.model_fields)
     unknown = sorted(set(options) - set(valid))
     if unknown:
-        raise ValueError(
-            f"unknown option(s) {', '.join(map(repr, unknown))} for env family {family!r}; "
-            f"valid options: {', '.join(valid)}"
+        listed = ", ".join(valid) if valid else f"none ({family!r} takes no options)"
+        raise InvalidInput(
+            f"{OPTIONS_FIELD}.{unknown[0]}",
+            f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} for env family "
+            f"{family!r}; valid options: {listed}",
         )
     try:
         return model(**options)
     except ValidationError as err:
+        first = err.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"])
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc']) or '<options>'}: {e['msg']}" for e in err.errors()
         )
-        raise ValueError(f"invalid options for env family {family!r}: {problems}") from None
+        field = f"{OPTIONS_FIELD}.{loc}" if loc else OPTIONS_FIELD
+        raise InvalidInput(field, f"invalid options for env family {family!r}: {problems}") from None

@@ -19,21 +19,18 @@ import string
 from pydantic import Field, model_validator
 
 from floe.envs.base import Env, EnvFamily, Task
-from floe.envs.datafile import read_rows
-from floe.envs.options import FamilyOptions, parse_options
+from floe.envs.options import DataFileOptions, parse_options
 from floe.envs.single_turn import Score, SingleTurnEnv, prompt_messages
-from floe.envs.splits import data_file, generate_tasks, select_rows
+from floe.envs.splits import family_tasks
 
 NAME = "reverse_text"
 INSTRUCTION = "Reverse the text character by character. Answer inside <reversed_text></reversed_text>."
 _TAG = re.compile(r"<reversed_text>(.*?)</reversed_text>", re.DOTALL)
 
 
-class ReverseTextOptions(FamilyOptions):
-    """Options of the reverse_text family."""
+class ReverseTextOptions(DataFileOptions):
+    """Options of the reverse_text family (data files: rows with a `prompt` column)."""
 
-    data_path: str | None = None  # .jsonl/.json/.parquet with a `prompt` column; None = generate
-    eval_data_path: str | None = None  # eval rows; without it eval is a hash split of data_path
     min_length: int = Field(3, ge=1)
     max_length: int = Field(8, ge=1)
     system_prompt: bool = True  # False: put the instruction in the user message instead
@@ -62,18 +59,16 @@ class ReverseTextFamily(EnvFamily):
     """Reverse a string; see the module docstring for the reward."""
 
     name = NAME
+    options_model = ReverseTextOptions
 
     def __init__(self, **options: object) -> None:
         self.options = parse_options(ReverseTextOptions, NAME, options)
 
     def tasks(self, split: str, count: int, seed: int) -> list[Task]:
-        opts = self.options
-        source = data_file(opts.data_path, opts.eval_data_path, split)
-        if source is None:
-            return generate_tasks(NAME, split, count, seed, self._draw)
-        path, option, presplit = source.path, source.option, source.presplit
-        rows = [_row_data(r, i, option) for i, r in enumerate(read_rows(path, ("prompt",), option))]
-        return select_rows(NAME, split, count, seed, rows, key=lambda r: r["text"], presplit=presplit)
+        return family_tasks(
+            NAME, split, count, seed, data_path=self.options.data_path, eval_data_path=self.options.eval_data_path,
+            generator=lambda: self._draw, columns=("prompt",), rows=_rows, key=lambda r: r["text"],
+        )
 
     def make_env(self, task: Task) -> Env:
         text, target = task.data["text"], task.data["target"]
@@ -94,8 +89,11 @@ class ReverseTextFamily(EnvFamily):
         return text, {"text": text, "target": text[::-1]}
 
 
-def _row_data(row: dict, index: int, option: str) -> dict:
-    text = row["prompt"]
-    if not isinstance(text, str) or not text:
-        raise ValueError(f"{option}: row {index} has an empty or non-string `prompt`")
-    return {"text": text, "target": text[::-1]}
+def _rows(rows: list[dict], option: str) -> list[dict]:
+    out = []
+    for index, row in enumerate(rows):
+        text = row["prompt"]
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"{option}: row {index} has an empty or non-string `prompt`")
+        out.append({"text": text, "target": text[::-1]})
+    return out

@@ -4,6 +4,8 @@ A task belongs to "train" or "eval" by a stable hash of its content key, indepen
 Generators draw candidates from a seeded RNG and keep only those whose key hashes into the
 requested split, so eval never contains a train task for any pair of seeds, and the same seed
 always yields the same list. File-backed data uses the same rule (or explicit split files).
+`family_tasks` is the one way a family answers ``tasks``: generated, or read from the file its
+``data_path`` / ``eval_data_path`` options name.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from floe.envs.base import SPLITS, Task
+from floe.envs.datafile import read_rows
+
+Draw = Callable[[random.Random], tuple[str, dict]]  # rng -> (content key, task data)
 
 # One bucket in EVAL_BUCKETS goes to eval (20%): small generated spaces (e.g. one-digit
 # additions) still leave enough distinct eval problems.
@@ -65,7 +70,7 @@ def generate_tasks(
     split: str,
     count: int,
     seed: int,
-    draw: Callable[[random.Random], tuple[str, dict]],
+    draw: Draw,
 ) -> list[Task]:
     """``count`` tasks of ``split`` from ``draw(rng) -> (content key, task data)``."""
     check_request(split, count, seed)
@@ -107,3 +112,31 @@ def select_rows(
         raise ValueError(f"{family}: count={count} but the data file has only {len(pool)} {split} rows")
     rng_for(family, split, seed).shuffle(pool)
     return [Task(id=f"{family}/{split}/{seed}/{i}", data=row) for i, row in enumerate(pool[:count])]
+
+
+def family_tasks(
+    family: str,
+    split: str,
+    count: int,
+    seed: int,
+    *,
+    data_path: str | None,
+    eval_data_path: str | None,
+    generator: Callable[[], Draw],
+    columns: tuple[str, ...],
+    rows: Callable[[list[dict], str], list[dict]],
+    key: Callable[[dict], str],
+) -> list[Task]:
+    """``count`` tasks of ``split`` for ``family``: generated when ``data_path`` is None, else
+    read from the file (``eval_data_path`` for eval when given).
+
+    ``generator()`` returns the draw function (called only when generating, so a family can
+    prepare generated data lazily); ``columns`` are the columns every file row must have;
+    ``rows(file_rows, option)`` turns the file's rows into task data (``option`` names the
+    option that gave the file, for errors); ``key(data)`` is a task's content key (its split).
+    """
+    source = data_file(data_path, eval_data_path, split)
+    if source is None:
+        return generate_tasks(family, split, count, seed, generator())
+    data = rows(read_rows(source.path, columns, source.option), source.option)
+    return select_rows(family, split, count, seed, data, key=key, presplit=source.presplit)

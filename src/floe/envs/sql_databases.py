@@ -2,21 +2,21 @@
 
 Each schema's rows are a pure function of a seed, so question templates can read the same facts
 (names, cities, years) without touching the file, and a database file, once built, never has to
-be rebuilt. Files are written to a temporary name in the target directory and renamed into place,
-so concurrent builders and crashes never leave a half-written database under the final name.
+be rebuilt. A database is built in memory and written with ``floe.atomic`` (temporary sibling,
+fsync, rename), so concurrent builders and crashes never leave a half-written database under the
+final name.
 """
 
 from __future__ import annotations
 
-import os
 import random
 import sqlite3
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
+from floe.atomic import atomic_write_bytes
 from floe.envs.alphabet_sort import FIRST_NAMES, LAST_NAMES
 
 SCHEMA_VERSION = 1  # bump when a schema or its row generator changes: the file name changes too
@@ -182,29 +182,22 @@ def ensure_database(schema: str, seed: int, db_dir: Path) -> Path:
     path = db_dir / f"{db_id(schema, seed)}_v{SCHEMA_VERSION}.sqlite"
     if path.exists():
         return path
-    db_dir.mkdir(parents=True, exist_ok=True)
     spec, rows = SCHEMAS[schema], schema_rows(schema, seed)
-    fd, tmp_name = tempfile.mkstemp(dir=db_dir, prefix=f".{path.stem}.", suffix=".tmp")
-    os.close(fd)
+    conn = sqlite3.connect(":memory:")
     try:
-        conn = sqlite3.connect(tmp_name)
-        try:
-            with conn:
-                for statement in spec.ddl:
-                    conn.execute(statement)
-                for table, columns in spec.columns.items():
-                    marks = ", ".join("?" for _ in columns)
-                    conn.executemany(
-                        f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({marks})",
-                        [tuple(row[c] for c in columns) for row in rows[table]],
-                    )
-        finally:
-            conn.close()
-        os.chmod(tmp_name, 0o644)  # mkstemp makes it 0600; the database is not a secret
-        os.replace(tmp_name, path)  # atomic: readers see no file or the whole file
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
+        with conn:
+            for statement in spec.ddl:
+                conn.execute(statement)
+            for table, columns in spec.columns.items():
+                marks = ", ".join("?" for _ in columns)
+                conn.executemany(
+                    f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({marks})",
+                    [tuple(row[c] for c in columns) for row in rows[table]],
+                )
+        image = conn.serialize()
+    finally:
+        conn.close()
+    atomic_write_bytes(path, image)  # readers see no file or the whole file
     return path
 
 

@@ -6,7 +6,8 @@ tries, in order:
 1. the last ```` ```sql ```` block whose stripped content is longer than 6 characters;
 2. the last generic ```` ``` ```` block (no language tag, or a tag other than sql/json) whose
    content contains ``SELECT`` (case-insensitive); a one-word language tag line is dropped;
-3. the last ```` ```json ```` block that parses to an object with a string ``"sql"`` field;
+3. the last ```` ```json ```` block that parses to an object with a string ``"sql"`` field
+   (a block that does not parse, however malformed or deeply nested, is skipped);
 4. a raw statement outside fenced blocks: from the first word ``SELECT`` up to the first
    ``;``, ``</answer>`` or the end of the text.
 
@@ -51,7 +52,7 @@ def extract_sql(text: str) -> str | None:
     for block in reversed(_JSON_BLOCK.findall(region)):
         try:
             parsed = json.loads(block)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # malformed, or nested deeper than the parser recurses
             continue
         if isinstance(parsed, dict) and isinstance(parsed.get("sql"), str) and parsed["sql"].strip():
             return parsed["sql"].strip()

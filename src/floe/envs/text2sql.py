@@ -35,10 +35,9 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from floe.envs.base import Env, EnvFamily, Task
-from floe.envs.datafile import read_rows
-from floe.envs.options import FamilyOptions, parse_options
+from floe.envs.options import DataFileOptions, parse_options
 from floe.envs.single_turn import Score, SingleTurnEnv, prompt_messages
-from floe.envs.splits import data_file, generate_tasks, select_rows
+from floe.envs.splits import Draw, family_tasks
 from floe.envs.sql_databases import SCHEMAS, db_id, ensure_database, read_schema_ddl, schema_rows
 from floe.envs.sql_extract import extract_sql, format_ok
 from floe.envs.sql_questions import TEMPLATES
@@ -53,14 +52,12 @@ FORMAT_FLOOR = 0.1  # the score of a query that runs but is wrong, and of a well
 DEFAULT_DB_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "floe" / "text2sql"
 
 
-class Text2SqlOptions(FamilyOptions):
-    """Options of the text2sql family."""
+class Text2SqlOptions(DataFileOptions):
+    """Options of the text2sql family (data files: BIRD .json/.jsonl rows, with db_root)."""
 
     db_dir: str | None = None  # where generated databases live; None = ~/.cache/floe/text2sql
     db_seed: int = 0  # which generated database instances (shared by train and eval)
     schemas: tuple[str, ...] = tuple(SCHEMAS)  # generated schemas to draw questions from
-    data_path: str | None = None  # BIRD-format .json/.jsonl rows; None = generate
-    eval_data_path: str | None = None
     db_root: str | None = None  # BIRD databases: db_root/<db_id>/<db_id>.sqlite (needs data_path)
     timeout_s: float = Field(5.0, gt=0)  # wall-clock limit per model query
     gold_timeout_s: float = Field(30.0, gt=0)
@@ -89,6 +86,7 @@ class Text2SqlFamily(EnvFamily):
     """Text-to-SQL by execution match; see the module docstring for the reward."""
 
     name = NAME
+    options_model = Text2SqlOptions
 
     def __init__(self, **options: object) -> None:
         self.options = parse_options(Text2SqlOptions, NAME, options)
@@ -103,29 +101,32 @@ class Text2SqlFamily(EnvFamily):
         self.runner.close()
 
     def tasks(self, split: str, count: int, seed: int) -> list[Task]:
+        return family_tasks(
+            NAME, split, count, seed, data_path=self.options.data_path, eval_data_path=self.options.eval_data_path,
+            generator=self._generator, columns=("db_id", "question", "SQL"), rows=self._bird_rows,
+            key=lambda r: f"{r['db_id']}|{r['question']}",
+        )
+
+    def _generator(self) -> Draw:
+        """The draw function over the generated databases (built here when missing)."""
         opts = self.options
-        source = data_file(opts.data_path, opts.eval_data_path, split)
-        if source is None:
-            databases = {s: ensure_database(s, opts.db_seed, self.db_dir) for s in opts.schemas}
-            facts = {s: schema_rows(s, opts.db_seed) for s in opts.schemas}
-            ddl = {s: read_schema_ddl(path) for s, path in databases.items()}
+        databases = {s: ensure_database(s, opts.db_seed, self.db_dir) for s in opts.schemas}
+        facts = {s: schema_rows(s, opts.db_seed) for s in opts.schemas}
+        ddl = {s: read_schema_ddl(path) for s, path in databases.items()}
 
-            def draw(rng: random.Random) -> tuple[str, dict]:
-                schema = rng.choice(opts.schemas)
-                question, gold = rng.choice(TEMPLATES[schema])(rng, facts[schema])
-                data = {
-                    "db_id": db_id(schema, opts.db_seed),
-                    "db_path": str(databases[schema]),
-                    "schema": ddl[schema],
-                    "question": question,
-                    "gold_sql": [gold],
-                }
-                return f"{data['db_id']}|{question}", data
+        def draw(rng: random.Random) -> tuple[str, dict]:
+            schema = rng.choice(opts.schemas)
+            question, gold = rng.choice(TEMPLATES[schema])(rng, facts[schema])
+            data = {
+                "db_id": db_id(schema, opts.db_seed),
+                "db_path": str(databases[schema]),
+                "schema": ddl[schema],
+                "question": question,
+                "gold_sql": [gold],
+            }
+            return f"{data['db_id']}|{question}", data
 
-            return generate_tasks(NAME, split, count, seed, draw)
-        path, option, presplit = source.path, source.option, source.presplit
-        rows = self._bird_rows(read_rows(path, ("db_id", "question", "SQL"), option), option)
-        return select_rows(NAME, split, count, seed, rows, key=lambda r: f"{r['db_id']}|{r['question']}", presplit=presplit)
+        return draw
 
     def make_env(self, task: Task) -> Env:
         data = task.data

@@ -1,20 +1,26 @@
 """The tiny-model kit: a small random-init Qwen3 plus a character-level tokenizer.
 
 `make_tiny` writes an ordinary Hugging Face directory (config.json, model.safetensors,
-tokenizer.json, tokenizer_config.json with a chat template), so tests and demos go through
-the same loading code as a real model and nothing is ever downloaded.
+tokenizer.json, tokenizer_config.json with a chat template, and the `TINY_MARKER` file), so
+tests and demos go through the same loading code as a real model and nothing is ever
+downloaded.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import string
-import tempfile
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+from floe.atomic import atomic_directory
+from floe.errors import InvalidInput
+
+TINY_MARKER = "floe_tiny.json"  # in every directory make_tiny writes: it may replace those only
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
 CHARACTERS = sorted(set(string.printable) - set("\x0b\x0c\r"))
@@ -61,10 +67,19 @@ def make_tiny(
 ) -> Path:
     """Build a random-init Qwen3 with the given dimensions and save it as an HF directory.
 
-    The directory is written to a temporary sibling and renamed into place, so a crash never
-    leaves a half-written model behind. Returns the path.
+    `path` must be new, empty, or an earlier make_tiny directory (it carries TINY_MARKER);
+    anything else is refused with InvalidInput("path", ...) and left untouched. The directory
+    is written through `floe.atomic.atomic_directory`, so a crash never leaves a half-written
+    model behind. Returns the path.
     """
     path = Path(path)
+    if path.exists() and not (path.is_dir() and (not any(path.iterdir()) or (path / TINY_MARKER).is_file())):
+        raise InvalidInput("path", f"{path} exists and was not written by make_tiny; choose a new or empty directory")
+    spec = {
+        "hidden_size": hidden_size, "intermediate_size": intermediate_size, "num_hidden_layers": num_hidden_layers,
+        "num_attention_heads": num_attention_heads, "num_key_value_heads": num_key_value_heads, "head_dim": head_dim,
+        "max_position_embeddings": max_position_embeddings, "tie_word_embeddings": tie_word_embeddings, "seed": seed,
+    }
     tok = make_char_tokenizer()
     config = Qwen3Config(
         vocab_size=len(tok),
@@ -85,13 +100,8 @@ def make_tiny(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(config)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    model.save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
-    if path.exists():
-        import shutil
-
-        shutil.rmtree(path)
-    os.replace(tmp, path)
+    with atomic_directory(path, replace=True) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        (tmp / TINY_MARKER).write_text(json.dumps(spec, indent=2) + "\n")
     return path

@@ -9,15 +9,25 @@ their own prompts and become groups of one.
 
 from __future__ import annotations
 
+import math
+import numbers
 import statistics
 
+from floe.errors import InvalidInput
 from floe.rl.config import AdvantageConfig
 from floe.rl.rollouts import Episode
 from floe.types import Batch, Group, Sample
 
 
 def group_advantages(rewards: list[float], cfg: AdvantageConfig) -> list[float] | None:
-    """Advantages for one group, or None when the group should be dropped."""
+    """Advantages for one group (one per reward, same order), or None when the group should be
+    dropped. Raises InvalidInput naming ``rewards[i]`` when the list is empty or a reward is
+    not a finite real number (NaN would turn the whole group's advantages into NaN)."""
+    if not rewards:
+        raise InvalidInput("rewards", "a group needs at least one reward")
+    for i, r in enumerate(rewards):
+        if not isinstance(r, numbers.Real) or not math.isfinite(r):
+            raise InvalidInput(f"rewards[{i}]", f"must be a finite real number, got {r!r}")
     if cfg.drop_constant_groups and max(rewards) - min(rewards) < 1e-12:
         return None
     mean = statistics.fmean(rewards)

@@ -1,17 +1,29 @@
 """The recipe: one pydantic model for everything `floe train` / `floe sft` / `floe eval` read.
 
 A recipe is a TOML file (plus `@` overlays and `--section.key value` overrides, merged by
-`floe.config.load_layers`). Every table forbids unknown keys. See docs/recipes.md.
+`floe.config.load_layers`), validated by `parse_recipe`. Every table forbids unknown keys, and
+the choices are typed when the recipe loads, before any model is built:
+
+* `[train.loss]` is one table: `name` picks the loss and the table holds that loss's keys; it
+  is a discriminated union of the loss registry's config classes (floe.compute.losses.LOSSES);
+* `env.name` must resolve (built-in, "pkg.module:Class" or entry point) and `env.options` is
+  checked against that family's options model (floe.envs.registry).
+
+`parse_recipe` words every error as `recipe.<key path>: <problem>; <what is allowed>`, e.g.
+`recipe.train.loss.name: unknown loss 'ppoo'; choose one of cispo, ...`. See docs/recipes.md.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, Field, ValidationError, create_model, model_validator
 
+from floe.compute.losses import LOSSES, LossConfig, loss_names
 from floe.config import BackendConfig, StrictModel
+from floe.envs.registry import validate_options
+from floe.errors import InvalidInput
 
 
 class TinyModelConfig(StrictModel):
@@ -50,8 +62,33 @@ class WarmStartConfig(StrictModel):
 
 
 class EnvConfig(StrictModel):
+    """The environment: a built-in name, "pkg.module:Class" or a `floe.envs` entry point, and its
+    options (checked against the family's options model when the recipe loads)."""
+
     name: str = "reverse_text"
     options: dict[str, Any] = Field(default_factory=dict)
+
+
+def _recipe_loss(name: str, config: type[LossConfig]) -> type[LossConfig]:
+    """`config` plus the `name` tag that selects it in `[train.loss]`."""
+    return create_model(  # type: ignore[call-overload,no-any-return]
+        f"{config.__name__.removesuffix('Config')}Loss",
+        __base__=config,
+        __doc__=f"[train.loss] with name = {name!r}: {LOSSES[name].summary}",
+        name=(Literal[name], ...),  # type: ignore[valid-type]
+    )
+
+
+DEFAULT_LOSS = "ppo"  # the loss of a recipe whose [train.loss] sets no name
+
+# One recipe model per registered loss, in registry order.
+RECIPE_LOSSES: dict[str, type[LossConfig]] = {n: _recipe_loss(n, d.config) for n, d in LOSSES.items()}
+TrainLoss = Annotated[Union[tuple(RECIPE_LOSSES.values())], Field(discriminator="name")]  # type: ignore[valid-type]  # noqa: UP007
+
+
+def loss_request(loss: LossConfig) -> tuple[str, dict[str, Any]]:
+    """(loss name, loss_config) of a `[train.loss]` table, as `client.forward_backward` takes them."""
+    return loss.name, loss.model_dump(exclude={"name"})  # type: ignore[attr-defined]
 
 
 class AdvantageConfig(StrictModel):
@@ -69,14 +106,30 @@ class TrainConfig(StrictModel):
     max_tokens: int = Field(64, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    loss: str = "ppo"
-    loss_config: dict[str, Any] = Field(default_factory=dict)
+    loss: TrainLoss = Field(default_factory=lambda: RECIPE_LOSSES[DEFAULT_LOSS](name=DEFAULT_LOSS))
     minibatches: int = Field(1, ge=1, description="optimizer steps per batch")
     max_off_policy_steps: int = Field(
         0, ge=0, description="0 = synchronous; k > 0 lets sampling run up to k steps ahead of training"
     )
     advantage: AdvantageConfig = AdvantageConfig()
     seed: int = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _loss_table(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if isinstance(data.get("loss"), str) or "loss_config" in data:
+            field = "loss_config" if "loss_config" in data else "loss"
+            raise InvalidInput(
+                field,
+                'the loss is one table now: [train.loss] name = "ppo" plus that loss\'s keys '
+                "(e.g. clip_high = 0.28); move train.loss and train.loss_config into it",
+            )
+        if isinstance(data.get("loss"), dict) and "name" not in data["loss"]:
+            # `--train.loss.clip_high 0.3` on a recipe without [train.loss] tunes the default loss.
+            data = {**data, "loss": {"name": DEFAULT_LOSS, **data["loss"]}}
+        return data
 
 
 class EvalConfig(StrictModel):
@@ -119,6 +172,11 @@ class Recipe(StrictModel):
         BackendConfig.model_validate({"model": "x", **self.backend})  # fail early on bad keys
         return self
 
+    @model_validator(mode="after")
+    def _env_resolves(self) -> "Recipe":
+        validate_options(self.env.name, self.env.options)  # InvalidInput naming env.name / env.options.<key>
+        return self
+
     @property
     def state_dir(self) -> str:
         """backend.state_dir when the recipe sets it, else <output.run_dir>/states."""
@@ -126,3 +184,68 @@ class Recipe(StrictModel):
 
     def backend_config(self, model_path: str) -> BackendConfig:
         return BackendConfig.model_validate({**self.backend, "model": model_path, "state_dir": self.state_dir})
+
+
+def parse_recipe(data: dict[str, Any], where: str = "recipe") -> Recipe:
+    """Validate merged recipe layers into a `Recipe`.
+
+    Raises InvalidInput for the first problem, its field the key path (``recipe.train.loss.name``)
+    and its message what is allowed: the loss names for an unknown loss, a table's keys for an
+    unknown key, the family's options for an unknown env option.
+    """
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        raise _recipe_error(e.errors()[0], where) from None
+
+
+def _recipe_error(err: Any, where: str) -> InvalidInput:
+    loc = list(err["loc"])
+    shown = list(loc)
+    if shown[:2] == ["train", "loss"] and len(shown) > 2 and shown[2] in LOSSES:
+        del shown[2]  # the union puts the chosen loss in the path: train.loss.<name>.key
+    path = ".".join([where, *map(str, shown)])
+    ctx = err.get("ctx") or {}
+    cause = ctx.get("error")
+    if isinstance(cause, InvalidInput):  # raised by a validator with a field relative to `path`
+        return InvalidInput(f"{path}.{cause.field}", cause.message)
+    kind = err["type"]
+    if kind in ("union_tag_invalid", "union_tag_not_found"):
+        found = f"unknown loss {ctx['tag']!r}" if "tag" in ctx else "missing"
+        return InvalidInput(f"{path}.name", f"{found}; choose one of {loss_names()}")
+    if kind == "model_attributes_type" and shown == ["train", "loss"]:
+        return InvalidInput(path, f'must be a table with a name, e.g. [train.loss] name = "ppo"; losses: {loss_names()}')
+    if kind == "extra_forbidden":
+        model = _model_at(Recipe, loc[:-1])
+        allowed = ", ".join(sorted(model.model_fields)) if model is not None else "see docs/recipes.md"
+        return InvalidInput(path, f"unknown key; allowed keys: {allowed}")
+    if kind == "missing":
+        return InvalidInput(path, "required key is missing")
+    return InvalidInput(path, err["msg"])
+
+
+def _model_at(model: type[BaseModel], loc: list[Any]) -> type[BaseModel] | None:
+    """The model class of the table at `loc` inside `model` (None where it is a plain dict)."""
+    current: type[BaseModel] | None = model
+    choices: dict[str, type[BaseModel]] = {}
+    for part in loc:
+        if part in choices:  # a discriminated union's tag
+            current, choices = choices[part], {}
+            continue
+        if current is None or part not in current.model_fields:
+            return None
+        current, choices = _table_type(current.model_fields[part].annotation)
+    return current
+
+
+def _table_type(annotation: Any) -> tuple[type[BaseModel] | None, dict[str, type[BaseModel]]]:
+    """(the model a field holds, or None; the union members by tag when it holds a union)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation, {}
+    if get_origin(annotation) is Annotated:
+        return _table_type(get_args(annotation)[0])
+    members = [a for a in get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+    if len(members) == 1:
+        return members[0], {}
+    tagged = {get_args(m.model_fields["name"].annotation)[0]: m for m in members if "name" in m.model_fields}
+    return None, tagged

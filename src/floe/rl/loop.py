@@ -8,6 +8,7 @@ sample records the weights version that produced it; staleness = trainer step - 
 
 Runs are resumable: a checkpoint saves the backend state and `loop_state.json`; `--resume`
 loads the latest, truncates the JSONL outputs to that step and continues with the next one.
+Old checkpoints are pruned through `client.delete_state`, so a remote backend drops them too.
 Step i's tasks and sampling seed derive from (seed, i), so a resumed synchronous run is the
 run it would have been (with k > 0, which version a batch is sampled with depends on thread
 timing, within the bound).
@@ -18,7 +19,6 @@ from __future__ import annotations
 import json
 import queue
 import re
-import shutil
 import statistics
 import threading
 import time
@@ -28,9 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import floe
+from floe.atomic import atomic_write_text
+from floe.compute.losses import resolve_loss
 from floe.envs import EnvFamily, Task, make_family
 from floe.rl.advantages import build_training_batch
-from floe.rl.config import Recipe
+from floe.rl.config import Recipe, loss_request
 from floe.rl.metrics import MetricsLogger, read_jsonl, truncate_jsonl
 from floe.rl.progress import RunProgress
 from floe.rl.rollouts import Renderer, RolloutBatch, run_episodes
@@ -87,7 +89,7 @@ class Trainer:
                 f"{self.run_dir} already holds a run; pass --resume to continue it or set output.run_dir"
             )
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.json").write_text(json.dumps(self.recipe.model_dump(), indent=2))
+        atomic_write_text(self.run_dir / "config.json", json.dumps(self.recipe.model_dump(), indent=2))
 
     def _resume_point(self, client: floe.Client) -> int:
         """Load the latest checkpoint; returns the number of steps already done."""
@@ -106,14 +108,11 @@ class Trainer:
     def _checkpoint(self, client: floe.Client, step: int) -> None:
         name = f"{self._checkpoint_prefix}step_{step:06d}"
         client.save_state(name)
-        tmp = self.run_dir / "loop_state.json.tmp"
-        tmp.write_text(json.dumps({"step": step, "checkpoint": name}))
-        tmp.replace(self.run_dir / "loop_state.json")
-        states = Path(self.recipe.state_dir)
-        if states.is_dir():  # prune old checkpoints of an embedded backend (a remote one keeps them)
-            old = sorted(p for p in states.iterdir() if p.name.startswith(f"{self._checkpoint_prefix}step_"))
-            for p in old[: -self.recipe.output.keep_checkpoints]:
-                shutil.rmtree(p, ignore_errors=True)
+        atomic_write_text(self.run_dir / "loop_state.json", json.dumps({"step": step, "checkpoint": name}))
+        # Prune through the client, so a remote backend drops them too; only this run's states.
+        ours = sorted(n for n in client.list_states() if n.startswith(f"{self._checkpoint_prefix}step_"))
+        for old in ours[: -self.recipe.output.keep_checkpoints]:
+            client.delete_state(old)
 
     # -- the run --------------------------------------------------------------------------
 
@@ -127,6 +126,7 @@ class Trainer:
             model_path = prepare_model(recipe, ui.warm_start)
             client = floe.connect(recipe.backend_config(model_path))
         family = make_family(recipe.env.name, **recipe.env.options)
+        self._env_label = family.name
         renderer = Renderer(client.tokenizer())
         scorer = ThreadPoolExecutor(max_workers=8, thread_name_prefix="floe-score")
         logger = MetricsLogger(self.run_dir, recipe.model_dump(), recipe.output.wandb,
@@ -213,7 +213,7 @@ class Trainer:
             "step": i + 1,
             "reward_mean": statistics.fmean(rewards),
             "reward_std": statistics.pstdev(rewards),
-            f"reward/{self.recipe.env.name}_mean": statistics.fmean(rewards),
+            f"reward/{self._env_label}_mean": statistics.fmean(rewards),
             "groups_dropped": dropped,
             "tokens_sampled": sum(len(t.tokens) for e in rollouts.episodes for t in e.turns),
             "staleness_mean": statistics.fmean(current - v for v in versions),
@@ -227,21 +227,21 @@ class Trainer:
         train_metrics: list[dict[str, float]] = []
         step_results = []
         if batch.groups:
-            loss_cfg = dict(tr.loss_config)
-            if loss_cfg.get("kl", {}).get("coef", 0) > 0:
+            loss, loss_cfg = loss_request(tr.loss)
+            if resolve_loss(loss, loss_cfg).needs_ref_logprobs:
                 ref = client.forward(batch, zone="reference", temperature=tr.temperature)
                 for g, lps in zip(batch.groups, ref.logprobs):
                     for s, lp in zip(g.samples, lps):
                         s.ref_logprobs = lp
             for part in _split_groups(batch, tr.minibatches):
-                res = client.forward_backward(part, tr.loss, loss_cfg, temperature=tr.temperature)
+                res = client.forward_backward(part, loss, loss_cfg, temperature=tr.temperature)
                 train_metrics.append(res.metrics)
                 step_results.append(client.optim_step())
         t1 = time.perf_counter()
         sync = client.sync_weights()
         t2 = time.perf_counter()
         if train_metrics:
-            for key in ("loss", "entropy", "clip_fraction", "approx_kl_sampler", "kl_ref", "ratio_max"):
+            for key in ("loss", "entropy", "clip_fraction", "kl_sampler_k3", "kl_ref_k3", "ratio_max", "exp_bounded_tokens"):
                 vals = [m[key] for m in train_metrics if key in m]
                 if vals:
                     record[key] = statistics.fmean(vals)

@@ -10,15 +10,23 @@ import json
 from pathlib import Path
 from typing import Any
 
+from floe.atomic import atomic_write_text
+
 
 def truncate_jsonl(path: Path, last_step: int) -> None:
-    """Keep only records with step <= last_step (used on resume)."""
+    """Keep only records with step <= last_step (used on resume), rewriting the file atomically
+    (a crash during resume leaves the old file). A torn last line, left by a run killed while
+    appending, is dropped: it belongs to a step after the checkpoint."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= last_step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    tmp.replace(path)  # a crash during resume leaves the old file, never a half-written one
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    if lines:
+        try:
+            json.loads(lines[-1])
+        except json.JSONDecodeError:
+            lines.pop()
+    kept = [line for line in lines if json.loads(line).get("step", 0) <= last_step]
+    atomic_write_text(path, "".join(line + "\n" for line in kept))
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

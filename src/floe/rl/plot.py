@@ -13,7 +13,7 @@ from floe.rl.metrics import read_jsonl  # noqa: E402
 
 PANELS = [
     ("reward.png", "reward", [("reward_mean", "train reward (mean of samples)"), ("eval/reward_mean", "held-out reward")]),
-    ("kl.png", "KL", [("approx_kl_sampler", "KL(sampler || policy), k3"), ("kl_ref", "KL to reference, k3")]),
+    ("kl.png", "KL", [("kl_sampler_k3", "KL(sampler ‖ policy), k3"), ("kl_ref_k3", "KL(policy ‖ reference), k3")]),
     ("entropy.png", "entropy (nats/token)", [("entropy", "policy entropy")]),
 ]
 

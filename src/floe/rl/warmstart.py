@@ -3,7 +3,8 @@
 A tiny model is built from its config and, when the recipe has [warm_start], trained with SFT
 (`cross_entropy` through the ordinary client API) on the environment's demonstrations. The
 result is cached under $FLOE_CACHE (default ~/.cache/floe) by a hash of everything that
-shapes it, so the second run starts at once; a missing cache entry is rebuilt.
+shapes it, so the second run starts at once; a missing cache entry is rebuilt. Cache entries
+are written with `floe.atomic.atomic_directory`, so a crash never leaves a half-built model.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import floe
+from floe.atomic import atomic_directory, recover
 from floe.envs import EnvFamily, make_family
 from floe.envs.demonstrations import demonstration
 from floe.models import make_tiny
@@ -45,10 +47,11 @@ def prepare_model(recipe: Recipe, progress: Progress | None = None) -> str:
     }
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
     final = cache_root() / "models" / f"tiny-{key}"
+    recover(final)
     if (final / "config.json").is_file():
         return str(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    work = Path(tempfile.mkdtemp(prefix=f".{final.name}.work-", dir=final.parent))  # scratch, same filesystem
     try:
         base = make_tiny(work / "base", **recipe.model.tiny.model_dump())
         if recipe.warm_start is None:
@@ -58,9 +61,10 @@ def prepare_model(recipe: Recipe, progress: Progress | None = None) -> str:
             threads = recipe.backend.get("num_threads")
             result = Path(sft_on_demonstrations(str(base), family, recipe.warm_start, work, progress, threads))
         (result / "floe_model_spec.json").write_text(json.dumps(spec, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(result, final)
+        # replace=True: an entry without config.json is an unusable leftover of this same key.
+        with atomic_directory(final, replace=True) as tmp:
+            for item in result.iterdir():
+                os.replace(item, tmp / item.name)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return str(final)
@@ -85,8 +89,14 @@ def sft_on_demonstrations(
     work: Path,
     progress: Progress | None = None,
     num_threads: int | None = None,
+    out: Path | None = None,
 ) -> str:
-    """Train `model_path` on fresh demonstrations each step; returns the exported HF dir."""
+    """Train `model_path` on fresh demonstrations each step; returns the exported HF dir.
+
+    `work` holds the run's scratch (backend states); the model is exported to `out` (default
+    `work/warm`) with `client.export_hf`, which refuses a directory that is not new, empty or
+    an earlier floe export (InvalidInput).
+    """
     client = floe.connect(
         floe.BackendConfig(
             model=model_path,
@@ -106,6 +116,6 @@ def sft_on_demonstrations(
         client.optim_step()
         if progress:
             progress(step + 1, cfg.steps, loss)
-    out = client.export_hf(str(work / "warm"))
+    exported = client.export_hf(str(out or work / "warm"))
     client.close()
-    return out
+    return exported

@@ -1,6 +1,7 @@
 """The FastAPI app of `floe serve`: one route per client operation plus operations endpoints.
 
-  POST /api/{op}             every Client operation; body and result in the wire format (wire.py);
+  POST /api/{op}             every operation in floe.protocol.ops.OPS (and no other name); body
+                             and result in the wire format (floe.protocol.wire);
                              header Server-Timing: op;dur=<ms> is the time the backend spent
   GET  /health               liveness (no auth)
   GET  /ready                200 when serving, 503 while draining (no auth)
@@ -33,10 +34,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from floe.backend import Backend
-from floe.client.transport import OPERATIONS
 from floe.errors import FloeError
-from floe.server import wire
-from floe.server.wire import CLIENT_HEADER, REPLAYED_HEADER, SEQ_HEADER
+from floe.protocol import wire
+from floe.protocol.ops import OPS
+from floe.protocol.wire import CLIENT_HEADER, REPLAYED_HEADER, SEQ_HEADER
 from floe.server.auth import check_bearer
 from floe.server.errors import ApiError, to_api_error
 from floe.server.metrics import Metrics
@@ -66,12 +67,15 @@ class ServerState:
         """Decode, run and encode one operation; every failure becomes an error reply."""
         try:
             kwargs = wire.decode_request(op, body)
+            method = getattr(self.backend, op, None)
+            if not callable(method):
+                raise ApiError(501, "not_implemented", f"the backend has no method {op!r} for this operation")
             start = time.perf_counter()
-            result = getattr(self.backend, op)(**kwargs)
+            result = method(**kwargs)
             seconds = time.perf_counter() - start
             self.metrics.observe_result(op, kwargs, result)
             return Reply(200, wire.encode_result(op, result), wire.MEDIA_TYPE, seconds)
-        except Exception as exc:  # noqa: BLE001 - every failure is answered, none kills the server
+        except Exception as exc:  # every failure is answered, none kills the server
             error = to_api_error(exc)
             if error.status >= 500:
                 log.exception("operation failed", extra={"op": op})
@@ -123,11 +127,11 @@ def create_app(backend: Backend, config: ServerConfig) -> FastAPI:
         else:
             try:
                 response = await call_next(request)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # answered as a 500, logged
                 log.exception("unhandled error")
                 response = error_response(to_api_error(exc))
         route = getattr(request.scope.get("route"), "path", "unmatched")
-        if route == "/api/{op}" and request.path_params.get("op") in OPERATIONS:
+        if route == "/api/{op}" and request.path_params.get("op") in OPS:
             route = request.url.path  # one label per operation; unknown names stay grouped
         seconds = time.perf_counter() - start
         state.metrics.observe_request(route, response.status_code, seconds)
@@ -165,8 +169,8 @@ def create_app(backend: Backend, config: ServerConfig) -> FastAPI:
 
     @app.post("/api/{op}", dependencies=auth)
     async def operation(op: str, request: Request) -> Response:
-        if op not in OPERATIONS:
-            raise ApiError(404, "not_found", f"no operation {op!r}; one of {list(OPERATIONS)}")
+        if op not in OPS:
+            raise ApiError(404, "not_found", f"no operation {op!r}; one of {list(OPS)}")
         order = _order_headers(request)
         body = await _read_body(request, config.max_request_bytes)
 

@@ -7,7 +7,8 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from floe.types import Batch, Info, OptimStepResult, SampleResult, StateResult, SyncResult
+from floe.protocol.ops import OPS
+from floe.types import Info
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -34,19 +35,27 @@ class Metrics:
         self.weights_version.set(info.sampler_version)
 
     def observe_result(self, op: str, kwargs: dict[str, Any], result: Any) -> None:
-        """Count what a successful operation did."""
-        if isinstance(result, SampleResult):
-            self.tokens_sampled.inc(result.num_tokens)
-        elif op == "forward_backward" and isinstance(kwargs.get("batch"), Batch):
-            self.tokens_trained.inc(kwargs["batch"].num_sample_tokens)
-        elif isinstance(result, OptimStepResult):
-            self.policy_step.set(result.step)
-        elif isinstance(result, SyncResult):
-            self.weights_version.set(result.version)
-            self.sync_seconds.observe(result.seconds)
-        elif isinstance(result, StateResult) and op == "load_state":
-            self.policy_step.set(result.step)
-            self.weights_version.set(result.version)
+        """Count what a successful operation did, through its record's `observe` hook."""
+        spec = OPS.get(op)
+        if spec is not None and spec.observe is not None:
+            spec.observe(self, kwargs, result)
+
+    # -- protocol.ops.ResultObserver: what operations report ------------------------------------
+
+    def add_sampled_tokens(self, count: int) -> None:
+        self.tokens_sampled.inc(count)
+
+    def add_trained_tokens(self, count: int) -> None:
+        self.tokens_trained.inc(count)
+
+    def set_policy_step(self, step: int) -> None:
+        self.policy_step.set(step)
+
+    def set_weights_version(self, version: int) -> None:
+        self.weights_version.set(version)
+
+    def observe_sync_seconds(self, seconds: float) -> None:
+        self.sync_seconds.observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,10 +1,8 @@
-"""The HTTP transport's wire format: pure encode/decode functions used by client and server.
+"""Tensor codecs of the wire format: the ragged payloads of floe's operations <-> flat arrays.
 
-Every operation's request and every result is ONE safetensors blob (media type
-`application/vnd.floe.safetensors`); nothing is ever pickled. The blob's `__metadata__`
-holds `{"floe": "<control JSON>"}`: `{"v": 1, "op": ..., "args": {...}}` for a request,
-`{"v": 1, "op": ..., "result": ...}` for a result. Token ids and float arrays travel as flat,
-little-endian tensors; ragged structure travels as lengths:
+A codec turns one typed value into named, flat, little-endian numpy arrays (and back); the
+framing (one safetensors blob per message) is protocol/wire.py's job, and which operation uses
+which codec is its record in protocol/ops.py. Ragged structure travels as lengths:
 
   <name>            flat concatenation of a list of lists (I32/I64 for ids, F32/F64 for floats)
   <name>.lengths    I64, one length per list
@@ -17,135 +15,53 @@ optional `logprobs`, `weights`, `ref_logprobs`, `advantage` (per token) and
 and policy log-probs are float32 already) and as F64 otherwise, so decoding always yields
 exactly the numbers that were encoded: a remote call sees the same inputs as an in-process one.
 
-`unpack` checks everything it is given (header size, UTF-8 JSON, dtypes, shapes, offsets,
-lengths that add up) and raises `WireError` (HTTP 400) instead of trusting the sender.
+Encoders raise InvalidInput naming the caller's field for values of the wrong type; decoders
+check every length and dtype and raise WireError instead of trusting the sender.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
-import json
-import math
-import struct
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from floe.client.client import Client
-from floe.client.transport import OPERATIONS
 from floe.errors import InvalidInput
+from floe.protocol.errors import WireError
 from floe.types import (
     Batch,
     ForwardBackwardResult,
     ForwardResult,
     Group,
-    Info,
-    OptimStepResult,
     Sample,
     SampledGroup,
     SampledSequence,
     SampleResult,
-    SamplingParams,
-    StateResult,
-    SyncResult,
 )
-
-MEDIA_TYPE = "application/vnd.floe.safetensors"
-CLIENT_HEADER = "X-Floe-Client"  # the client's id
-SEQ_HEADER = "X-Floe-Seq"  # the request's number within that client: 1, 2, 3, ...
-REPLAYED_HEADER = "X-Floe-Replayed"  # "1" on an answer replayed from the server's cache
-VERSION = 1
-MAX_HEADER_BYTES = 1 << 20
-MAX_TENSORS = 64
-MAX_DIMS = 4
-
-_DTYPES = {"I32": np.dtype("<i4"), "I64": np.dtype("<i8"), "F32": np.dtype("<f4"), "F64": np.dtype("<f8"), "U8": np.dtype("u1")}
-_DTYPE_NAMES = {dt.str: name for name, dt in _DTYPES.items()}
-_STOP_REASONS = ("stop_token", "stop_string", "length")
-_OPTIONAL_SAMPLE_FIELDS = ("logprobs", "weights", "ref_logprobs")
 
 Tensors = dict[str, np.ndarray]
 
-
-class WireError(InvalidInput):
-    """A body that is not a well-formed floe message. The server answers 400."""
-
-
-# -- framing ----------------------------------------------------------------------------------
+_STOP_REASONS = ("stop_token", "stop_string", "length")
+_OPTIONAL_SAMPLE_FIELDS = ("logprobs", "weights", "ref_logprobs")
 
 
-def pack(control: dict[str, Any], tensors: Tensors) -> bytes:
-    """One safetensors blob: header (tensor specs + control JSON as metadata), then the data.
+@dataclass(frozen=True)
+class ArgCodec:
+    """How one request argument travels as tensors: `encode(value, tensors)` adds arrays
+    (InvalidInput on a value of the wrong type); `decode(tensors)` rebuilds the value."""
 
-    Tensors are laid out largest dtype first so every one stays aligned; the data is copied
-    once, into the returned bytes.
-    """
-    header: dict[str, Any] = {"__metadata__": {"floe": json.dumps(control, separators=(",", ":"))}}
-    chunks: list[memoryview] = []
-    offset = 0
-    for name, arr in sorted(tensors.items(), key=lambda kv: (-kv[1].dtype.itemsize, kv[0])):
-        arr = np.ascontiguousarray(arr)
-        header[name] = {"dtype": _DTYPE_NAMES[arr.dtype.str], "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
-        chunks.append(memoryview(arr.reshape(-1)).cast("B"))
-        offset += arr.nbytes
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    return b"".join([struct.pack("<Q", len(head)), head, *chunks])
+    encode: Callable[[Any, Tensors], None]
+    decode: Callable[[Tensors], Any]
 
 
-def unpack(body: bytes) -> tuple[dict[str, Any], Tensors]:
-    """Parse and check a blob from `pack`; arrays are read-only views into `body` (no copy)."""
-    view = memoryview(body)
-    if len(view) < 8:
-        raise WireError("body", f"is {len(view)} bytes; a floe message is a safetensors blob")
-    (head_len,) = struct.unpack_from("<Q", view)
-    if head_len > min(len(view) - 8, MAX_HEADER_BYTES):
-        raise WireError("body", f"declares a {head_len}-byte header but has {len(view) - 8} bytes after the size")
-    try:
-        header = json.loads(bytes(view[8 : 8 + head_len]).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise WireError("body", "the safetensors header is not UTF-8 JSON") from None
-    if not isinstance(header, dict):
-        raise WireError("body", "the safetensors header must be a JSON object")
-    meta = header.pop("__metadata__", None)
-    if not isinstance(meta, dict) or not isinstance(meta.get("floe"), str):
-        raise WireError("body.__metadata__", "must hold the control JSON as a string under 'floe'")
-    try:
-        control = json.loads(meta["floe"])
-    except (ValueError, RecursionError):
-        raise WireError("body.__metadata__.floe", "is not valid JSON") from None
-    if not isinstance(control, dict) or control.get("v") != VERSION:
-        raise WireError("body.__metadata__.floe", f"must be a JSON object with \"v\": {VERSION}")
-    if len(header) > MAX_TENSORS:
-        raise WireError("body", f"has {len(header)} tensors; at most {MAX_TENSORS}")
-    data = view[8 + head_len :]
-    return control, {name: _tensor(name, spec, data) for name, spec in header.items()}
+@dataclass(frozen=True)
+class ResultCodec:
+    """How a result travels: `encode(result, tensors)` adds arrays and returns the JSON-able
+    rest; `decode(json_rest, tensors)` rebuilds the result."""
 
-
-def _tensor(name: str, spec: Any, data: memoryview) -> np.ndarray:
-    field = f"body.{name}"
-    if not isinstance(spec, dict):
-        raise WireError(field, "tensor spec must be an object with dtype, shape, data_offsets")
-    dtype = _DTYPES.get(spec.get("dtype"))  # type: ignore[arg-type]
-    if dtype is None:
-        raise WireError(f"{field}.dtype", f"must be one of {sorted(_DTYPES)}, got {spec.get('dtype')!r}")
-    shape, offsets = spec.get("shape"), spec.get("data_offsets")
-    if not _int_list(shape) or len(shape) > MAX_DIMS:
-        raise WireError(f"{field}.shape", f"must be a list of at most {MAX_DIMS} non-negative integers")
-    if not _int_list(offsets) or len(offsets) != 2 or not offsets[0] <= offsets[1] <= len(data):
-        raise WireError(f"{field}.data_offsets", f"must be [begin, end] within the {len(data)} data bytes")
-    count = math.prod(shape)
-    if count * dtype.itemsize != offsets[1] - offsets[0]:
-        raise WireError(field, f"shape {shape} of {spec['dtype']} does not match {offsets[1] - offsets[0]} bytes")
-    if count == 0:
-        return np.empty(shape, dtype)
-    return np.frombuffer(data, dtype=dtype, count=count, offset=offsets[0]).reshape(shape)
-
-
-def _int_list(value: Any) -> bool:
-    return isinstance(value, list) and all(type(v) is int and v >= 0 for v in value)
+    encode: Callable[[Any, Tensors], dict[str, Any]]
+    decode: Callable[[dict[str, Any], Tensors], Any]
 
 
 # -- ragged lists <-> flat tensors ---------------------------------------------------------------
@@ -242,7 +158,7 @@ def _encode_prompts(prompts: Any, tensors: Tensors) -> None:
     _put_lists(tensors, "prompt", prompts, "int", lambda i: f"prompts[{i}]")
 
 
-def _decode_prompts(control: dict[str, Any], tensors: Tensors) -> list[list[int]]:
+def _decode_prompts(tensors: Tensors) -> list[list[int]]:
     lengths = _need(tensors, "prompt.lengths", "int")
     return _get_lists(tensors, "prompt", lengths.size, "int")
 
@@ -274,7 +190,7 @@ def _encode_batch(batch: Any, tensors: Tensors) -> None:
     _put_optional(tensors, "advantage.scalar", scalar, "float", sample_field("advantage"))
 
 
-def _decode_batch(control: dict[str, Any], tensors: Tensors) -> Batch:
+def _decode_batch(tensors: Tensors) -> Batch:
     sizes = _group_sizes(tensors)
     count = int(sizes.sum())
     prompts = _get_lists(tensors, "prompt", sizes.size, "int")
@@ -365,104 +281,10 @@ def _decode_fb_result(result: dict[str, Any], tensors: Tensors) -> ForwardBackwa
     return ForwardBackwardResult(logprobs=_get_nested(tensors, "logprobs"), **result)
 
 
-# Arguments that travel as tensors, per op (everything else is JSON in control["args"]).
-_TENSOR_ARGS: dict[str, tuple[str, Callable[[Any, Tensors], None], Callable[[dict[str, Any], Tensors], Any]]] = {
-    "sample": ("prompts", _encode_prompts, _decode_prompts),
-    "forward": ("batch", _encode_batch, _decode_batch),
-    "forward_backward": ("batch", _encode_batch, _decode_batch),
-}
-_TENSOR_RESULTS: dict[str, tuple[Callable[[Any, Tensors], dict[str, Any]], Callable[[dict[str, Any], Tensors], Any]]] = {
-    "sample": (_encode_sample_result, _decode_sample_result),
-    "forward": (_encode_forward_result, _decode_forward_result),
-    "forward_backward": (_encode_fb_result, _decode_fb_result),
-}
-_JSON_RESULTS: dict[str, Callable[[Any], Any]] = {
-    "optim_step": lambda d: OptimStepResult(**d),
-    "sync_weights": lambda d: SyncResult(**d),
-    "save_state": lambda d: StateResult(**d),
-    "load_state": lambda d: StateResult(**d),
-    "list_states": list,
-    "export_hf": str,
-    "info": lambda d: Info(**d),
-}
-
-
-def _check_op(op: str) -> None:
-    if op not in OPERATIONS:
-        raise InvalidInput("op", f"unknown operation {op!r}; one of {list(OPERATIONS)}")
-
-
-# -- requests --------------------------------------------------------------------------------
-
-
-def encode_request(op: str, kwargs: dict[str, Any]) -> bytes:
-    """A Client call's keyword arguments as one message (raises InvalidInput on bad types)."""
-    _check_op(op)
-    tensors: Tensors = {}
-    args = dict(kwargs)
-    if op in _TENSOR_ARGS:
-        name, encode, _ = _TENSOR_ARGS[op]
-        if name in args:
-            encode(args.pop(name), tensors)
-    if op == "sample" and args.get("params") is not None:
-        if not isinstance(args["params"], SamplingParams):
-            raise InvalidInput("params", f"must be floe.SamplingParams, got {type(args['params']).__name__}")
-        args["params"] = dataclasses.asdict(args["params"])
-    for key, value in args.items():
-        try:
-            json.dumps(value)
-        except (TypeError, ValueError):
-            raise InvalidInput(key, f"must be JSON-serializable, got {type(value).__name__}") from None
-    return pack({"v": VERSION, "op": op, "args": args}, tensors)
-
-
-def decode_request(op: str, body: bytes) -> dict[str, Any]:
-    """The keyword arguments for `Backend.<op>`, checked against the Client's signature."""
-    _check_op(op)
-    control, tensors = unpack(body)
-    if control.get("op") != op:
-        raise WireError("body.op", f"the message is for {control.get('op')!r}, sent to {op!r}")
-    args = control.get("args")
-    if not isinstance(args, dict):
-        raise WireError("body.args", "must be a JSON object of keyword arguments")
-    if op in _TENSOR_ARGS:
-        name, _, decode = _TENSOR_ARGS[op]
-        if name in args:
-            raise WireError(f"body.args.{name}", "travels as tensors, not JSON")
-        if tensors:
-            args[name] = decode(control, tensors)
-    elif tensors:
-        raise WireError("body", f"operation {op!r} takes no tensors")
-    if op == "sample" and isinstance(args.get("params"), dict):
-        try:
-            args["params"] = SamplingParams(**args["params"])
-        except TypeError as e:
-            raise InvalidInput("params", f"unknown or missing sampling parameter: {e}") from None
-    try:
-        inspect.signature(getattr(Client, op)).bind(None, **args)
-    except TypeError as e:
-        raise InvalidInput("body.args", str(e)) from None
-    return args
-
-
-# -- results ---------------------------------------------------------------------------------
-
-
-def encode_result(op: str, result: Any) -> bytes:
-    _check_op(op)
-    tensors: Tensors = {}
-    if op in _TENSOR_RESULTS:
-        payload = _TENSOR_RESULTS[op][0](result, tensors)
-    else:
-        payload = dataclasses.asdict(result) if dataclasses.is_dataclass(result) else result
-    return pack({"v": VERSION, "op": op, "result": payload}, tensors)
-
-
-def decode_result(op: str, body: bytes) -> Any:
-    _check_op(op)
-    control, tensors = unpack(body)
-    if control.get("op") != op or "result" not in control:
-        raise WireError("body", f"not a result of {op!r}")
-    if op in _TENSOR_RESULTS:
-        return _TENSOR_RESULTS[op][1](control["result"], tensors)
-    return _JSON_RESULTS[op](control["result"])
+PROMPTS = ArgCodec(_encode_prompts, _decode_prompts)
+"""list[list[int]]: each prompt once, as `prompt` + `prompt.lengths`."""
+BATCH = ArgCodec(_encode_batch, _decode_batch)
+"""floe.Batch (or a list of floe.Group): prompts once per group, samples' ragged fields."""
+SAMPLE_RESULT = ResultCodec(_encode_sample_result, _decode_sample_result)
+FORWARD_RESULT = ResultCodec(_encode_forward_result, _decode_forward_result)
+FORWARD_BACKWARD_RESULT = ResultCodec(_encode_fb_result, _decode_fb_result)

@@ -11,10 +11,17 @@ import pytest
 import safetensors.numpy
 
 from floe import Batch, Group, InvalidInput, Sample, SamplingParams
-from floe.server import wire
+from floe.protocol import wire
 from floe.types import (
-    ForwardBackwardResult, ForwardResult, Info, OptimStepResult, SampledGroup, SampledSequence, SampleResult,
-    StateResult, SyncResult,
+    ForwardBackwardResult,
+    ForwardResult,
+    Info,
+    OptimStepResult,
+    SampledGroup,
+    SampledSequence,
+    SampleResult,
+    StateResult,
+    SyncResult,
 )
 
 
@@ -68,7 +75,7 @@ def test_sample_request_and_json_ops_round_trip() -> None:
     params = SamplingParams(max_tokens=5, temperature=0.5, stop=["x"], seed=3)
     args = wire.decode_request("sample", wire.encode_request("sample", {"prompts": [[1, 2], [3]], "n": 4, "params": params}))
     assert args == {"prompts": [[1, 2], [3]], "n": 4, "params": params}
-    for op, kwargs in [("optim_step", {}), ("save_state", {"name": "a"}), ("export_hf", {"path": "/x"}), ("info", {})]:
+    for op, kwargs in [("optim_step", {}), ("save_state", {"name": "a"}), ("delete_state", {"name": "a"}), ("export_hf", {"path": "/x"}), ("info", {})]:
         assert wire.decode_request(op, wire.encode_request(op, kwargs)) == kwargs
 
 
@@ -81,8 +88,9 @@ def test_sample_request_and_json_ops_round_trip() -> None:
     ("forward", ForwardResult([[[-0.5]]])),
     ("forward_backward", ForwardBackwardResult({"loss": 0.1, "tokens": 3.0}, [[[-0.5, -0.1]]], "ppo", {"clip_low": 0.2, "kl": {"coef": 0.0}})),
     ("optim_step", OptimStepResult(3, 1e-5, 0.5, 2)),
-    ("sync_weights", SyncResult(4, 1024, 0.01, True)),
+    ("sync_weights", SyncResult(4, 1024, 0.01)),
     ("load_state", StateResult("a", "/s/a", 3, 4)),
+    ("delete_state", StateResult("a", "/s/a", 3, 4)),
     ("list_states", ["a", "b"]),
     ("export_hf", "/tmp/x"),
     ("info", Info("m", ["policy"], 1, 1, 1, 100, 1024, "float32", "cpu", {"losses": ["ppo"]})),
@@ -154,3 +162,21 @@ def test_inconsistent_lengths_are_rejected() -> None:
     for i in (1, 9, len(body) // 2, len(body) - 1):
         with pytest.raises(wire.WireError):
             wire.decode_request("forward", body[:i])
+
+
+def test_json_results_must_have_their_type() -> None:
+    for op, payload in [("list_states", {"a": 1}), ("export_hf", [1]), ("info", {"model": "m"}), ("optim_step", [1, 2])]:
+        with pytest.raises(wire.WireError) as e:
+            wire.decode_result(op, wire.pack({"v": 1, "op": op, "result": payload}, {}))
+        assert e.value.field == "body.result"
+
+
+def test_dataclass_arguments_are_checked_on_arrival() -> None:
+    body = wire.pack({"v": 1, "op": "sample", "args": {"n": 1, "params": {"max_tokens": 3, "top_q": 1}}},
+                     wire.unpack(wire.encode_request("sample", {"prompts": [[1]]}))[1])
+    with pytest.raises(InvalidInput) as e:
+        wire.decode_request("sample", body)
+    assert e.value.field == "params" and "top_q" in e.value.message
+    with pytest.raises(InvalidInput) as e:
+        wire.decode_request("info", wire.pack({"v": 1, "op": "info", "args": {"verbose": True}}, {}))
+    assert e.value.field == "body.args" and "verbose" in e.value.message

@@ -1,0 +1,18 @@
+"""Weight sync methods (policy → sampler), all fingerprint-verified: `base.WeightSync`, and
+`local.InPlaceCopy` for one process."""
+
+from floe.backend.sync.base import (
+    Fingerprint,
+    WeightsSnapshot,
+    WeightSync,
+    check_publishable,
+    fingerprint,
+    fingerprints,
+    verify,
+)
+from floe.backend.sync.local import InPlaceCopy
+
+__all__ = [
+    "Fingerprint", "InPlaceCopy", "WeightSync", "WeightsSnapshot", "check_publishable",
+    "fingerprint", "fingerprints", "verify",
+]

@@ -1,0 +1,23 @@
+"""In-place copy: the sync method when policy and sampler live in one process.
+
+The published tensors are the policy's own (no copy on the policy side); the sampler copies
+them into its existing tensors, so nothing is reallocated.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from floe.backend.sync.base import Fingerprint, WeightsSnapshot, WeightSync
+
+if TYPE_CHECKING:
+    from floe.backend.zones import SamplerWorker
+
+
+class InPlaceCopy(WeightSync):
+    """Hand the tensors to the sampler in this process; it copies them in place."""
+
+    name = "inplace"
+
+    def transfer(self, snapshot: WeightsSnapshot, sampler: SamplerWorker) -> dict[str, Fingerprint]:
+        return sampler.receive(snapshot.tensors)

@@ -1,0 +1,11 @@
+"""Sampler engines: generation from token ids behind one interface (`engine.SamplerEngine`).
+
+`registry.build_engine` turns `SamplerConfig.engine` into an engine; `torch_engine` is the
+KV-cache engine that runs in this process; `kv_cache` its preallocated cache. Only this
+package knows which engine generates.
+"""
+
+from floe.sampler.engine import SamplerEngine
+from floe.sampler.registry import ENGINES, EngineSource, build_engine
+
+__all__ = ["ENGINES", "EngineSource", "SamplerEngine", "build_engine"]

@@ -1,0 +1,71 @@
+"""The interface every sampler engine implements (torch today, vLLM next).
+
+An engine generates from token ids with its own copy of the weights and accepts new weights
+pushed in place. It holds no weights version and no seed generator: the sampler zone
+(`floe.backend.sampler.SamplerZone`) owns those and passes the version and a seed per call.
+
+Contract of `generate` (every engine must meet it; tests/sampler checks the torch engine):
+* log-probs are those of the temperature-scaled distribution *before* top-k/top-p filtering,
+  the same quantity the policy's `forward(temperature=...)` computes, so PPO ratios between
+  sampler and policy are consistent;
+* each sample's `tokens` exclude the prompt and include the stop token (or the token that
+  completed a stop string), so a sample can be fed back as a `floe.Sample` unchanged;
+* the same (prompts, n, params, seed) on the same weights gives the same tokens;
+* it is safe to call from several threads at once: an engine keeps no mutable state across
+  a call (per-call generator and KV cache). Loading weights is never concurrent with
+  `generate` (the Backend holds the sampler exclusively for it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from floe.types import SampledGroup, SamplingParams
+
+Fingerprint = tuple[float, float]  # (float64 sum, float64 sum of squares) of one tensor
+
+
+def fingerprint(t: torch.Tensor) -> Fingerprint:
+    """(sum, sum of squares) of `t` in float64: cheap, independent of where the tensor lives,
+    and in practice sensitive to any changed or dropped value (not to a permutation)."""
+    d = t.detach().double()
+    return float(d.sum()), float((d * d).sum())
+
+
+def fingerprints(tensors: Mapping[str, torch.Tensor]) -> dict[str, Fingerprint]:
+    """`fingerprint` of every named tensor: what `SamplerEngine.fingerprints` returns and
+    what a weight sync (`floe.backend.sync`) compares with the policy's."""
+    return {name: fingerprint(t) for name, t in tensors.items()}
+
+
+@runtime_checkable
+class SamplerEngine(Protocol):
+    """Generation from token ids on the engine's own copy of the weights."""
+
+    def validate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> None:
+        """Engine-specific limits of a request already checked by `floe.backend.validation`;
+        raises `InvalidInput` naming the field. Reads nothing that changes."""
+        ...
+
+    def generate(
+        self, prompts: list[list[int]], n: int, params: SamplingParams, seed: int, version: int
+    ) -> list[SampledGroup]:
+        """One `SampledGroup` per prompt (in order), n samples each, every sample stamped with
+        `version`. `seed` fixes every random draw of the call."""
+        ...
+
+    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Replace the engine's weights by `tensors` (name -> tensor, the policy's state-dict
+        names). Raises `StateError` before changing anything when names or shapes differ."""
+        ...
+
+    def fingerprints(self) -> dict[str, Fingerprint]:
+        """`fingerprints` of the weights the engine holds now, by state-dict name."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine's resources (memory, worker processes). Idempotent."""
+        ...

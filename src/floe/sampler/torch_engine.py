@@ -1,0 +1,242 @@
+"""The torch engine: batched generation with a preallocated KV cache on its own model copy.
+
+Per call, prompts are processed in chunks of at most `max_batch_sequences` rows. Each prompt
+is prefilled once (left-padded with its chunk-mates), then its KV cache is repeated for its n
+samples, so the prompt costs one prefill however large n is. Decoding runs all rows of the
+chunk together; finished rows are dropped from the cache as they stop.
+
+The KV cache (`kv_cache.preallocated_cache`) and the attention mask are allocated once per
+chunk for prompt width + max_tokens positions, so a decode step writes one position instead
+of re-concatenating the whole cache.
+
+A chunk runs as: `_prefill` → repeat { `draw_tokens` → `_Rows.record` (finished rows) →
+`_decode_step` } → `_Rows.pack`. Every piece of per-call state (generator, cache, mask, rows)
+lives in locals of the call, so concurrent `generate` calls on one engine are safe.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from floe.errors import InvalidInput, StateError
+from floe.sampler.engine import Fingerprint, fingerprints
+from floe.sampler.kv_cache import preallocated_cache
+from floe.types import SampledGroup, SampledSequence, SamplingParams, StopReason
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask (to -inf) everything outside the top-k and the top-p nucleus, row-wise."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the mass before it already reaches top_p (the first always stays).
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def draw_tokens(
+    logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of `logits` [rows, vocab] and its log-prob under the
+    temperature-scaled distribution before top-k/top-p (one multinomial draw from `gen`)."""
+    scaled = logits / params.temperature
+    logp_all = torch.log_softmax(scaled, dim=-1)
+    probs = torch.softmax(filter_logits(scaled, params.top_k, params.top_p), dim=-1)
+    chosen = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    chosen_logp = logp_all.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
+    return chosen, chosen_logp
+
+
+@dataclass
+class _DecodeState:
+    """A chunk's KV cache and mask, with the next step's inputs; rows in cache order."""
+
+    cache: DynamicCache
+    logits: torch.Tensor  # [rows, vocab] float32, predicting each row's next token
+    full_mask: torch.Tensor  # [rows, width + max_tokens]; columns < length are in use
+    next_pos: torch.Tensor  # [rows, 1] position id of each row's next token
+    length: int  # positions in the cache (and mask columns in use)
+
+
+@dataclass
+class _Rows:
+    """What each of a chunk's `len(prompts) * n` rows has generated, and which still decode."""
+
+    tokens: list[list[int]]
+    logps: list[list[float]]
+    reasons: list[StopReason]
+    alive: list[int]  # row ids still decoding, in cache order
+    stop_ids: set[int]
+    stop_strings: list[str]
+    tail: int = field(init=False)  # decoded tokens checked for a stop string
+
+    def __post_init__(self) -> None:
+        self.tail = max((len(s) for s in self.stop_strings), default=0) + 8
+
+    @classmethod
+    def start(cls, rows: int, stop_ids: set[int], stop_strings: list[str]) -> _Rows:
+        return cls([[] for _ in range(rows)], [[] for _ in range(rows)], ["length"] * rows,
+                   list(range(rows)), stop_ids, stop_strings)
+
+    def record(
+        self, chosen: torch.Tensor, chosen_logp: torch.Tensor, tokenizer: PreTrainedTokenizerBase
+    ) -> list[int]:
+        """Append each alive row's token and log-prob; returns the cache indices of the rows
+        that go on (a row stops at a stop token or at the token completing a stop string)."""
+        keep: list[int] = []
+        for j, (row, tok, lp) in enumerate(zip(self.alive, chosen.tolist(), chosen_logp.tolist())):
+            self.tokens[row].append(tok)
+            self.logps[row].append(lp)
+            if tok in self.stop_ids:
+                self.reasons[row] = "stop_token"
+            elif self.stop_strings and any(
+                s in tokenizer.decode(self.tokens[row][-self.tail :]) for s in self.stop_strings
+            ):
+                self.reasons[row] = "stop_string"
+            else:
+                keep.append(j)
+        return keep
+
+    def pack(self, prompts: list[list[int]], n: int, version: int) -> list[SampledGroup]:
+        """One group per prompt; row `gi * n + k` is sample k of prompt gi."""
+        return [
+            SampledGroup(
+                prompt=list(p),
+                samples=[
+                    SampledSequence(self.tokens[r], self.logps[r], self.reasons[r], version)
+                    for r in range(gi * n, (gi + 1) * n)
+                ],
+            )
+            for gi, p in enumerate(prompts)
+        ]
+
+
+class TorchEngine:
+    """`SamplerEngine` on a transformers model in this process (CPU or GPU)."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_batch_sequences: int):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch_sequences = max_batch_sequences
+        self.device = next(model.parameters()).device
+        for p in model.parameters():
+            p.requires_grad_(False)
+        # transformers 5 renamed `past_key_values` to `cache`; support both.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    # -- SamplerEngine ----------------------------------------------------------------------
+
+    def validate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> None:
+        """n must fit one chunk: all samples of a prompt share its prefill in one batch."""
+        if n > self.max_batch_sequences:
+            raise InvalidInput(
+                "n", f"{n} samples per prompt exceed sampler.engine.max_batch_sequences ({self.max_batch_sequences})"
+            )
+
+    @torch.inference_mode()
+    def generate(
+        self, prompts: list[list[int]], n: int, params: SamplingParams, seed: int, version: int
+    ) -> list[SampledGroup]:
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        prompts_per_chunk = max(1, self.max_batch_sequences // n)
+        groups: list[SampledGroup] = []
+        for i in range(0, len(prompts), prompts_per_chunk):
+            groups.extend(self._generate_chunk(prompts[i : i + prompts_per_chunk], n, params, gen, version))
+        return groups
+
+    @torch.no_grad()
+    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy `tensors` into the model's own tensors in place (nothing is reallocated)."""
+        own = self.model.state_dict()
+        if own.keys() != tensors.keys():
+            differ = sorted(set(own) ^ set(tensors))[:5]
+            raise StateError(f"sync_weights: policy and sampler models differ in tensors: {differ}")
+        wrong = [k for k, t in tensors.items() if t.shape != own[k].shape]
+        if wrong:
+            raise StateError(f"sync_weights: policy and sampler tensors differ in shape: {wrong[:5]}")
+        for name, tensor in tensors.items():
+            own[name].copy_(tensor)
+
+    def fingerprints(self) -> dict[str, Fingerprint]:
+        return fingerprints(self.model.state_dict())
+
+    def close(self) -> None:
+        """Nothing to release: the model is freed with the engine."""
+
+    # -- one chunk --------------------------------------------------------------------------
+
+    def _stop_ids(self, params: SamplingParams) -> set[int]:
+        ids = set(params.stop_token_ids)
+        if params.stop_at_eos and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def _generate_chunk(
+        self, prompts: list[list[int]], n: int, params: SamplingParams, gen: torch.Generator, version: int
+    ) -> list[SampledGroup]:
+        state = self._prefill(prompts, n, params.max_tokens)
+        rows = _Rows.start(len(prompts) * n, self._stop_ids(params), params.stop)
+        for step in range(params.max_tokens):
+            chosen, chosen_logp = draw_tokens(state.logits, params, gen)
+            keep = rows.record(chosen, chosen_logp, self.tokenizer)
+            if not keep or step == params.max_tokens - 1:
+                break
+            self._decode_step(state, rows, chosen, keep)
+        return rows.pack(prompts, n, version)
+
+    def _prefill(self, prompts: list[list[int]], n: int, max_tokens: int) -> _DecodeState:
+        """Run the left-padded prompts once and repeat their cache n times (rows = prompts × n)."""
+        dev = self.device
+        width = max(len(p) for p in prompts)
+        pad = self.tokenizer.pad_token_id or 0
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long, device=dev)
+        # Preallocated like the cache: prompt (left padding = 0) then one column per new token.
+        # A column is set to 1 just before the step that fills that cache position; the model
+        # sees `full_mask[:, :length]`.
+        full_mask = torch.zeros((len(prompts), width + max_tokens), dtype=torch.long, device=dev)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p, device=dev)
+            full_mask[i, width - len(p) : width] = 1
+        mask = full_mask[:, :width]
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)
+        cache = preallocated_cache(self.model.config, capacity=width + max_tokens)
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions,
+            use_cache=True, logits_to_keep=1, **{self._cache_kw: cache},
+        )
+        # Share each prompt's prefill among its n samples.
+        cache.batch_repeat_interleave(n)
+        return _DecodeState(
+            cache=cache,
+            logits=out.logits[:, -1, :].float().repeat_interleave(n, dim=0),
+            full_mask=full_mask.repeat_interleave(n, dim=0),
+            next_pos=positions[:, -1:].repeat_interleave(n, dim=0) + 1,
+            length=width,
+        )
+
+    def _decode_step(self, state: _DecodeState, rows: _Rows, chosen: torch.Tensor, keep: list[int]) -> None:
+        """Drop finished rows from the cache, then feed each remaining row its chosen token."""
+        if len(keep) < len(rows.alive):
+            index = torch.tensor(keep, device=self.device)
+            state.cache.batch_select_indices(index)
+            chosen, state.full_mask, state.next_pos = chosen[index], state.full_mask[index], state.next_pos[index]
+            rows.alive = [rows.alive[j] for j in keep]
+        state.full_mask[:, state.length] = 1
+        state.length += 1
+        out = self.model(
+            input_ids=chosen.unsqueeze(-1), attention_mask=state.full_mask[:, : state.length],
+            position_ids=state.next_pos, use_cache=True, **{self._cache_kw: state.cache},
+        )
+        state.logits = out.logits[:, -1, :].float()
+        state.next_pos = state.next_pos + 1
