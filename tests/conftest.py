@@ -44,7 +44,7 @@ def state_snapshot(client: floe.Client) -> dict:
     return {
         "weights": {k: v.detach().clone() for k, v in b.policy.model.state_dict().items()},
         "sampler": {k: v.detach().clone() for k, v in b.sampler.model.state_dict().items()},
-        "grads": [None if p.grad is None else p.grad.clone() for p in b.policy.params],
+        "grads": [None if p.grad is None else p.grad.clone() for p in b.policy.trained],
         "opt_state": {i: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()} for i, s in opt["state"].items()},
         "step": b.policy.step,
         "pending": b.policy.pending_calls,

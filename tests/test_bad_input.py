@@ -76,7 +76,7 @@ def test_sample_and_forward_reject_bad_input(make_client):
         (lambda: client.sample([], n=1), "prompts"),
         (lambda: client.sample([[10**6]], n=1), "prompts[0]"),
         (lambda: client.sample([tok.encode("a")], n=0), "n"),
-        (lambda: client.sample([tok.encode("a")], params=floe.SamplingParams(temperature=0.0)), "params.temperature"),
+        (lambda: client.sample([tok.encode("a")], params=floe.SamplingParams(temperature=-0.5)), "params.temperature"),
         (lambda: client.sample([tok.encode("a")], params=floe.SamplingParams(top_p=1.5)), "params.top_p"),
         (lambda: client.sample([tok.encode("a")], params=floe.SamplingParams(top_k=-1)), "params.top_k"),
         (lambda: client.sample([tok.encode("a")], params=floe.SamplingParams(max_tokens=0)), "params.max_tokens"),

@@ -43,6 +43,7 @@ def test_sampler_logprobs_match_policy_after_sync(make_client):
         assert len(diffs) == out.num_tokens > 0
         assert max(diffs) < 1e-4
         assert all(s.weights_version == 1 for g in out.groups for s in g.samples)
+        assert all(s.temperature == temperature for g in out.groups for s in g.samples) and out.temperature == temperature
     assert all(s.weights_version == 0 for g in before.groups for s in g.samples)
 
 
@@ -66,7 +67,7 @@ def test_seeded_sampling_is_reproducible(make_client):
     a = client.sample(prompts, n=4, params=params)
     b = client.sample(prompts, n=4, params=params)
     c = client.sample(prompts, n=4, params=floe.SamplingParams(max_tokens=20, seed=124))
-    toks = lambda r: [[s.tokens for s in g.samples] for g in r.groups]  # noqa: E731
+    toks = lambda r: [[s.tokens for s in g.samples] for g in r.groups]
     assert toks(a) == toks(b)
     assert toks(a) != toks(c)
     # Samples within a group differ (they are independent draws sharing one prefill).
@@ -120,6 +121,35 @@ def test_top_k_one_is_greedy(make_client):
             nxt = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
         assert nxt == t
         ids.append(t)
+
+
+def test_temperature_zero_is_greedy_with_temperature_one_logprobs(make_client):
+    """SamplingParams(temperature=0) decodes the argmax chain whatever the seed, records
+    temperature 1.0, and reports the temperature-1 log-probs that forward(temperature=1) gives;
+    the tokens are those of top_k=1 at temperature 1 (how the OpenAI endpoint mapped 0)."""
+    client = make_client()
+    tok = client.tokenizer()
+    prompts = [tok.encode("greedy"), tok.encode("a longer greedy prompt")]
+    greedy = floe.SamplingParams(max_tokens=10, temperature=0.0, stop_at_eos=False)
+    out = client.sample(prompts, n=3, params=greedy)
+    again = client.sample(prompts, n=1, params=floe.SamplingParams(max_tokens=10, temperature=0, seed=5, top_p=0.5, stop_at_eos=False))
+    for g, h in zip(out.groups, again.groups):
+        assert len({tuple(s.tokens) for s in g.samples}) == 1 and g.samples[0].tokens == h.samples[0].tokens
+    assert out.temperature == 1.0 and all(s.temperature == 1.0 for g in out.groups for s in g.samples)
+    model = backend_of(client).sampler.model
+    ids = list(prompts[0])
+    for t in out.groups[0].samples[0].tokens:
+        with torch.no_grad():
+            assert int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()) == t
+        ids.append(t)
+    batch = floe.Batch([floe.Group(g.prompt, [floe.Sample(s.tokens) for s in g.samples]) for g in out.groups])
+    fwd = client.forward(batch, temperature=1.0)
+    diffs = [abs(a - b) for g, fg in zip(out.groups, fwd.logprobs) for s, fs in zip(g.samples, fg) for a, b in zip(s.logprobs, fs)]
+    assert len(diffs) == out.num_tokens == 60 and max(diffs) < 1e-4
+    top1 = client.sample(prompts, n=1, params=floe.SamplingParams(max_tokens=10, top_k=1, seed=1, stop_at_eos=False))
+    assert [g.samples[0].tokens for g in top1.groups] == [g.samples[0].tokens for g in out.groups]
+    for g, t in zip(out.groups, top1.groups):
+        assert max(abs(a - b) for a, b in zip(g.samples[0].logprobs, t.samples[0].logprobs)) < 1e-6
 
 
 def test_preallocated_cache_matches_dynamic_cache(tiny_model):

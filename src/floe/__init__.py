@@ -1,5 +1,6 @@
-"""floe: an open RL post-training backend. Public API only; see DESIGN.md and docs/."""
+"""floe: an open RL post-training backend. Public API only; see docs/architecture.md and docs/api.md."""
 
+from floe import chat, grpo  # public helper modules: floe.chat.Renderer, floe.grpo.batch_from_samples, ...
 from floe.client import AsyncClient, Client, connect, connect_async
 from floe.config import BackendConfig, ComputeConfig, OptimizerConfig, ReferenceConfig, SamplerConfig
 from floe.errors import FloeError, InvalidInput, StateError
@@ -26,5 +27,6 @@ __all__ = [
     "AsyncClient", "BackendConfig", "Batch", "Client", "ComputeConfig", "FloeError", "ForwardBackwardResult",
     "ForwardResult", "Group", "Info", "InvalidInput", "OptimStepResult", "OptimizerConfig", "ReferenceConfig",
     "RemoteError", "RemoteUnavailable", "Sample", "SampleResult", "SampledGroup", "SampledSequence",
-    "SamplerConfig", "SamplingParams", "StateError", "StateResult", "SyncResult", "connect", "connect_async",
+    "SamplerConfig", "SamplingParams", "StateError", "StateResult", "SyncResult", "chat", "connect", "connect_async",
+    "grpo",
 ]

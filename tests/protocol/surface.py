@@ -40,6 +40,8 @@ def example(hint: Any) -> Any:
         return [example(args[0])]
     if origin is dict:
         return {"k": example(args[1])}
+    if origin is tuple:
+        return tuple(example(a) for a in args)
     if dataclasses.is_dataclass(hint) and isinstance(hint, type):
         hints = typing.get_type_hints(hint)
         return hint(**{f.name: example(hints[f.name]) for f in dataclasses.fields(hint) if f.init})

@@ -28,8 +28,8 @@ from floe.types import (
 def mixed_batch() -> Batch:
     return Batch([
         Group([1, 2, 3], [
-            Sample([4, 5], logprobs=[-0.5, -1.25], advantage=0.1, weights=[1.0, 0.0], ref_logprobs=[-0.4, -1.0]),
-            Sample([6], logprobs=[np.float32(-0.3).item()], advantage=[2.0]),
+            Sample([4, 5], logprobs=[-0.5, -1.25], advantage=0.1, weights=[1.0, 0.0], ref_logprobs=[-0.4, -1.0], temperature=0.7),
+            Sample([6], logprobs=[np.float32(-0.3).item()], advantage=[2.0], temperature=1),
             Sample([7, 8, 9]),
         ]),
         Group([10], [Sample([11, 2**40], advantage=-1)]),  # an id beyond int32 travels as int64
@@ -45,6 +45,29 @@ def test_batch_round_trip_is_exact_and_keeps_structure() -> None:
     assert (args["loss"], args["loss_config"], args["temperature"]) == ("ppo", {"clip_low": 0.1}, 0.7)
     assert type(args["batch"].groups[0].samples[0].advantage) is float
     assert isinstance(args["batch"].groups[0].samples[1].advantage, list)
+
+
+def test_temperatures_round_trip_exactly_and_only_where_stated() -> None:
+    """Sample.temperature and SampledSequence.temperature cross the wire unchanged (None stays
+    None, 0.7 stays the float 0.7), as a length-1 optional field per sample."""
+    batch = mixed_batch()
+    _, tensors = wire.unpack(wire.encode_request("forward", {"batch": batch}))
+    assert tensors["temperature.present"].tolist() == [1, 1, 0, 0]
+    assert tensors["temperature"].dtype == np.float64  # 0.7 is not exact in f32
+    decoded = wire.decode_request("forward", wire.encode_request("forward", {"batch": batch}))["batch"]
+    temps = [s.temperature for g in decoded.groups for s in g.samples]
+    assert temps == [0.7, 1.0, None, None] and type(temps[0]) is float
+    seq = SampledSequence([3], [-0.5], "length", 1, 0.7)
+    result = wire.decode_result("sample", wire.encode_result("sample", SampleResult([SampledGroup([1], [seq])], 1, 1, 0.1)))
+    assert result.groups[0].samples[0].temperature == 0.7 and result.temperature == 0.7
+    with pytest.raises(InvalidInput) as e:
+        wire.encode_request("forward", {"batch": Batch([Group([1], [Sample([2]), Sample([3], temperature="hot")])])})  # type: ignore[arg-type]
+    assert e.value.field == "batch.groups[0].samples[1].temperature"
+    _, tensors = wire.unpack(wire.encode_request("forward", {"batch": batch}))
+    broken = dict(tensors, **{"temperature.lengths": np.array([2, 0], np.int64), "temperature": np.zeros(2)})
+    with pytest.raises(wire.WireError) as e:
+        wire.decode_request("forward", wire.pack({"v": 1, "op": "forward", "args": {}}, broken))
+    assert e.value.field == "body.temperature"  # a temperature is one value per sample
 
 
 def test_prompts_travel_once_per_group_and_floats_pick_exact_dtype() -> None:
@@ -81,9 +104,10 @@ def test_sample_request_and_json_ops_round_trip() -> None:
 
 @pytest.mark.parametrize("op, result", [
     ("sample", SampleResult([
-        SampledGroup([1, 2], [SampledSequence([3, 4], [-0.5, -0.75], "stop_token", 2), SampledSequence([5], [-1.0], "length", 2)]),
-        SampledGroup([6], [SampledSequence([7], [-2.0], "stop_string", 2)]),
+        SampledGroup([1, 2], [SampledSequence([3, 4], [-0.5, -0.75], "stop_token", 2, 0.7), SampledSequence([5], [-1.0], "length", 2, 0.7)]),
+        SampledGroup([6], [SampledSequence([7], [-2.0], "stop_string", 2, 0.7)]),
     ], weights_version=2, num_tokens=4, seconds=0.25)),
+    ("sample", SampleResult([SampledGroup([1], [SampledSequence([3], [-0.5], "length", 0)])], 0, 1, 0.1)),  # unstated
     ("forward", ForwardResult([[[-0.5, -0.25], [-1.0]], [[-3.0]]], [[[1.0, 2.0], [0.5]], [[0.25]]])),
     ("forward", ForwardResult([[[-0.5]]])),
     ("forward_backward", ForwardBackwardResult({"loss": 0.1, "tokens": 3.0}, [[[-0.5, -0.1]]], "ppo", {"clip_low": 0.2, "kl": {"coef": 0.0}})),

@@ -15,9 +15,9 @@ def test_sft_exports_a_model_that_eval_and_train_can_use(recipe_file, tmp_path, 
     assert main(["sft", recipe, "--warm_start.steps", "3", "--warm_start.batch_size", "4", "--out", str(out)]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {"model": str(out)}
     assert load_model(str(out)).config.model_type == "qwen3"
-    # Evaluate the exported model through the recipe, replacing [model] on the command line.
+    # Evaluate the exported model through the recipe: --model.path replaces its [model.tiny].
     capsys.readouterr()
-    assert main(["eval", recipe, "--model.path", str(out), "--model.tiny", "null"]) == 0
+    assert main(["eval", recipe, "--model.path", str(out)]) == 0
     assert 0.0 <= json.loads(capsys.readouterr().out)["eval/reward_mean"] <= 1.0
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from floe.cli import load_recipe, main
+from floe.errors import InvalidInput
 from floe.rl import train
 from floe.rl.metrics import read_jsonl
 
@@ -84,9 +85,10 @@ def test_killed_run_resumes_with_no_lost_or_repeated_step(recipe_file, tmp_path)
     assert _steps_and_rewards(run) == _steps_and_rewards(Path(reference.run_dir))
 
 
-def test_resume_without_checkpoint_is_an_error(recipe_file):
-    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+def test_resume_of_a_run_that_never_started_is_an_error(recipe_file, tmp_path):
+    with pytest.raises(InvalidInput, match="no run in .* to resume .*drop --resume") as err:
         train(load_recipe([recipe_file(name="fresh")])[0], resume=True, progress=False)
+    assert err.value.field == "--resume" and not (tmp_path / "fresh").exists()
 
 
 def test_kl_penalty_uses_the_reference_zone_and_minibatches(recipe_file):
@@ -113,8 +115,9 @@ def test_tensorboard_logging_when_asked(recipe_file):
 def test_wandb_without_the_package_is_a_clear_error(recipe_file, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` fail as if not installed
     recipe, _ = load_recipe([recipe_file(steps=1, name="wb"), "--output.wandb", "true"])
-    with pytest.raises(RuntimeError, match=r"pip install 'floe\[wandb\]'"):
+    with pytest.raises(InvalidInput, match=r"pip install 'floe-rl\[wandb\]'") as err:
         train(recipe, progress=False)
+    assert err.value.field == "recipe.output.wandb"  # found before any model is built
 
 
 def test_staleness_is_measured_from_the_backends_own_version(recipe_file, tmp_path):

@@ -1,19 +1,20 @@
 """Recipe typos fail in `floe train` (the real CLI, in a subprocess) before any model is built,
-in under 5 seconds, naming the key and what is allowed."""
+in a few seconds of CPU, naming the key and what is allowed."""
 
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
-import time
 
 import pytest
 
 from floe.cli import load_recipe
+from floe.compute.losses import loss_names
 from floe.errors import InvalidInput
 
-LOSSES = "cispo, cross_entropy, gspo, importance_sampling, ppo"
+LOSSES = loss_names()  # the registry grows; the message lists whatever it holds
 
 
 @pytest.mark.parametrize(
@@ -34,13 +35,16 @@ def test_typos_fail_fast_in_floe_train(recipe_file, tmp_path, override, expected
     recipe = recipe_file(name="typo")
     cache = tmp_path / "cache"
     env = dict(os.environ, FLOE_CACHE=str(cache))
-    start = time.perf_counter()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run([sys.executable, "-m", "floe.cli", "train", recipe, *override, "--no-progress"],
                           env=env, capture_output=True, text=True, timeout=120, check=False)
-    seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # CPU time, not wall time: a loaded machine must not fail it. Today about 1.7 s, most of it
+    # the torch import that floe.compute.losses does at import time.
+    seconds = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"floe train: error: {expected}"
-    assert seconds < 5.0, f"took {seconds:.1f}s"
+    assert seconds < 3.0, f"took {seconds:.1f} s of CPU"
     assert not cache.exists() and not (tmp_path / "typo").exists()  # no model built, no run started
 
 

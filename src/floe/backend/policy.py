@@ -9,6 +9,20 @@ accumulated since the last step, then zeroes. Each `forward_backward` call is ag
 its own: the loss's denominators (token count, sample count, norm length) are computed over
 the whole call's batch before it is cut into micro-batches, so micro-batching never changes
 the result.
+
+Mixed precision (`MasterWeights`): a model loaded in bfloat16 computes forward and backward
+in bf16, but AdamW owns fp32 master copies of the trainable parameters and their fp32 moments.
+Each parameter's bf16 gradient is added into its master's fp32 gradient as soon as backward
+produces it (so accumulation over micro-batches and calls is fp32), `optim_step` clips and
+steps the masters, then rounds them back into the bf16 parameters. A bf16 model never steps
+its bf16 weights directly: updates of about lr, far below bf16's spacing, still accumulate.
+An fp32 model has no masters and runs exactly the plain path. Saved states carry the fp32
+masters, so a bf16 resume is exact.
+
+Resuming with a changed optimizer config: the configured hyper-parameters win. A loaded state
+restores the AdamW moments, step counts and the policy's step; lr (through `lr_at` and the
+restored step), betas, eps, weight_decay and every other AdamW param-group key come from this
+zone's `OptimizerConfig`.
 """
 
 from __future__ import annotations
@@ -24,8 +38,8 @@ from floe.backend.scoring import plan_batch, score_batch, score_microbatch, uses
 from floe.backend.state import ZoneState
 from floe.backend.sync.base import WeightsSnapshot, fingerprints
 from floe.compute.losses import LossSpec, TokenInputs, aggregation_scales, compute_loss, finalize_metrics
-from floe.config import ComputeConfig, OptimizerConfig
-from floe.errors import StateError
+from floe.config import FLOAT16_REFUSED, ComputeConfig, OptimizerConfig
+from floe.errors import InvalidInput, StateError
 from floe.types import Batch, ForwardBackwardResult, ForwardResult, OptimStepResult
 
 
@@ -61,8 +75,63 @@ def disable_dropout(model: torch.nn.Module) -> None:
             setattr(model.config, key, 0.0)
 
 
+class MasterWeights:
+    """fp32 master copies of low-precision trainable parameters, which the optimizer steps.
+
+    `params` are the model's parameters (compute dtype, e.g. bf16); `masters[i]` is the fp32
+    copy of `params[i]`. A post-accumulate-grad hook moves every gradient backward produces
+    into `masters[i].grad` (fp32 addition) and frees the bf16 one, so `params[i].grad` stays
+    None. `copy_back` rounds the masters into the parameters (round to nearest even).
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.params = params
+        with torch.no_grad():
+            self.masters = [p.detach().to(torch.float32, copy=True).requires_grad_(True) for p in params]
+        for param, master in zip(params, self.masters):
+            param.register_post_accumulate_grad_hook(self._mover(master))
+
+    @staticmethod
+    def _mover(master: torch.Tensor) -> Any:
+        def move(param: torch.Tensor) -> None:
+            grad = param.grad
+            assert grad is not None
+            if master.grad is None:
+                master.grad = grad.to(torch.float32, copy=True)
+            else:
+                master.grad.add_(grad)
+            param.grad = None
+
+        return move
+
+    @torch.no_grad()
+    def copy_back(self) -> None:
+        """params ← masters, rounded to the parameters' dtype."""
+        for param, master in zip(self.params, self.masters):
+            param.copy_(master)
+
+    @torch.no_grad()
+    def load(self, values: list[torch.Tensor]) -> None:
+        """masters ← `values` (any float dtype, one per parameter), then `copy_back`."""
+        for master, value in zip(self.masters, values):
+            master.copy_(value)
+        self.copy_back()
+
+
+def needs_masters(params: list[torch.nn.Parameter]) -> bool:
+    """True when the trainable parameters are bfloat16 (they get fp32 `MasterWeights`);
+    InvalidInput("dtype") for float16, which floe does not train (FLOAT16_REFUSED)."""
+    dtypes = {p.dtype for p in params}
+    if torch.float16 in dtypes:
+        raise InvalidInput("dtype", FLOAT16_REFUSED)
+    return torch.bfloat16 in dtypes
+
+
 class PolicyZone:
-    """Implements `zones.PolicyWorker` on a transformers model in this process."""
+    """Implements `zones.PolicyWorker` on a transformers model in this process.
+
+    `params` are the model's trainable parameters; `trained` the tensors AdamW steps: the same
+    list for an fp32 model, the fp32 masters (`masters.masters`) for a bf16 one."""
 
     def __init__(self, model: PreTrainedModel, optimizer: OptimizerConfig, compute: ComputeConfig):
         self.model = model
@@ -77,8 +146,10 @@ class PolicyZone:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.train()  # HF only checkpoints in train mode; dropout is already off
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.masters = MasterWeights(self.params) if needs_masters(self.params) else None
+        self.trained: list[torch.Tensor] = self.masters.masters if self.masters else list(self.params)
         self.optimizer = torch.optim.AdamW(
-            self.params,
+            self.trained,
             lr=optimizer.lr,
             betas=optimizer.betas,
             eps=optimizer.eps,
@@ -135,12 +206,14 @@ class PolicyZone:
 
     def discard_gradients(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+        for p in self.params:  # with masters, a backward cut short may leave a bf16 gradient unmoved
+            p.grad = None
         self.pending_calls = 0
 
     def optim_step(self) -> OptimStepResult:
         if self.pending_calls == 0:
             raise StateError("optim_step: no forward_backward since the last step; nothing to apply")
-        grads = [p.grad for p in self.params if p.grad is not None]
+        grads = [p.grad for p in self.trained if p.grad is not None]
         grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
         if not math.isfinite(grad_norm):
             # Nothing can be applied from a non-finite sum; keeping it would block every later step.
@@ -161,6 +234,8 @@ class PolicyZone:
             group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.masters is not None:
+            self.masters.copy_back()
         applied, self.pending_calls = self.pending_calls, 0
         self.step += 1
         return OptimStepResult(step=self.step, lr=lr, grad_norm=grad_norm, accumulated_calls=applied)
@@ -181,8 +256,25 @@ class PolicyZone:
 
     # -- own state --------------------------------------------------------------------------
 
+    def _master_state(self) -> dict[str, torch.Tensor]:
+        """The fp32 masters by every state-dict name of their parameters (tied ones under each).
+
+        A state-dict entry is matched to its parameter by storage (state_dict holds views of
+        the parameters), which works for any model object with `state_dict`, not only modules."""
+        assert self.masters is not None
+        by_storage = {(p.data_ptr(), p.shape): m for p, m in zip(self.params, self.masters.masters)}
+        return {
+            name: by_storage[(t.data_ptr(), t.shape)]
+            for name, t in self.model.state_dict().items()
+            if (t.data_ptr(), t.shape) in by_storage
+        }
+
     def save_state(self) -> ZoneState:
-        """Weights, AdamW state (tensors by "<param index>.<key>", scalars in JSON), step, torch RNG."""
+        """Weights, AdamW state (tensors by "<param index>.<key>", scalars in JSON), step, torch RNG.
+
+        With fp32 masters (a bf16 model) the saved trainable weights are the fp32 masters, so
+        a resume continues exactly; buffers keep the model's dtype. `param_groups` in the JSON
+        record the hyper-parameters used so far; loading applies the loader's own config."""
         if self.pending_calls:
             raise StateError(
                 "save_state: gradients from forward_backward are waiting for optim_step and would be lost; "
@@ -199,6 +291,8 @@ class PolicyZone:
                     scalars.setdefault(str(idx), {})[key] = value
         # clone() un-ties shared tensors (tied embeddings) so safetensors can store them.
         weights = {k: v.detach().cpu().clone().contiguous() for k, v in self.model.state_dict().items()}
+        if self.masters is not None:
+            weights.update({k: m.detach().cpu().clone().contiguous() for k, m in self._master_state().items()})
         return ZoneState(
             {
                 "policy.safetensors": weights,
@@ -227,16 +321,28 @@ class PolicyZone:
             raise StateError("load_state: the state has no step or torch RNG; it is not a floe state")
 
     def load_state(self, state: ZoneState) -> None:
-        """Apply a state `check_state` accepted; gradients not yet applied are discarded."""
+        """Apply a state `check_state` accepted; gradients not yet applied are discarded.
+
+        Restores weights (into the fp32 masters too, when there are masters; a state saved
+        from an fp32 or a bf16 model loads into either), AdamW moments and step counts, the
+        policy's step and the RNG. Hyper-parameters are not restored: every AdamW param-group
+        key (lr, betas, eps, weight_decay, ...) keeps this zone's configured value, and the
+        lr of the next step is `lr_at(step, config)` (the config is the source of truth)."""
         opt_state: dict[int, dict[str, Any]] = {}
         for key, value in state.tensors["optimizer.safetensors"].items():
             idx, name = key.split(".", 1)
             opt_state.setdefault(int(idx), {})[name] = value
         for idx, values in state.meta["optimizer_scalars"].items():
             opt_state.setdefault(int(idx), {}).update(values)
+        weights = state.tensors["policy.safetensors"]
         with torch.no_grad():
-            self.model.load_state_dict(state.tensors["policy.safetensors"], strict=True)
-        self.optimizer.load_state_dict({"state": opt_state, "param_groups": state.meta["param_groups"]})
+            self.model.load_state_dict(weights, strict=True)
+        if self.masters is not None:
+            by_master = {id(m): name for name, m in self._master_state().items()}
+            self.masters.load([weights[by_master[id(m)]] for m in self.masters.masters])
+        # The live groups carry the configured hyper-parameters; only the moments come from the state.
+        configured = self.optimizer.state_dict()["param_groups"]
+        self.optimizer.load_state_dict({"state": opt_state, "param_groups": configured})
         self.discard_gradients()
         self.step = int(state.meta["step"])
         torch.set_rng_state(state.tensors["rng.safetensors"]["torch_cpu"])

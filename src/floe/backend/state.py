@@ -2,10 +2,11 @@
 
 A state is a directory `<state_dir>/<name>/` holding only safetensors and JSON (nothing that
 executes code on load):
-  policy.safetensors     the policy's weights
+  policy.safetensors     the policy's weights (with dtype bfloat16: its fp32 master weights)
   optimizer.safetensors  AdamW moments and step counts, keyed "<param index>.<key>"
   rng.safetensors        torch's CPU RNG ("torch_cpu", the policy's) and the sampler's generator ("sampler")
-  state.json             format, model name, step, sampler version, optimizer hyper-parameters
+  state.json             format, model name, step, sampler version, and the optimizer
+                         hyper-parameters used so far (a record: a loading backend applies its own)
 Each zone produces and consumes its own part as a `ZoneState` (tensors per file, JSON keys);
 this module merges the parts into one directory and splits it back, so the zones never see
 paths and the format is the same as before zones owned their state. The directory is written

@@ -13,6 +13,8 @@ from floe.compute.losses import LossSpec
 from floe.errors import InvalidInput
 from floe.types import Batch, Group, Sample, SamplingParams
 
+MAX_TOP_LOGPROBS = 20  # alternatives per token a sample call may ask for (OpenAI's limit)
+
 
 def _check_token_list(field: str, tokens: Any, vocab_size: int) -> None:
     if not isinstance(tokens, list):
@@ -76,6 +78,11 @@ def _validate_sample(
     if sample.weights is not None and min(sample.weights) < 0:
         # Weights scale and mask tokens; a negative one would make the mean denominators meaningless.
         raise InvalidInput(f"{sf}.weights", "must be >= 0 (a per-token scale or 0/1 mask); put signs in the advantage")
+    if sample.temperature is not None and not _is_positive_finite(sample.temperature):
+        raise InvalidInput(
+            f"{sf}.temperature",
+            f"must be a finite number > 0 (the sampling temperature of its log-probs) or None, got {sample.temperature!r}",
+        )
     if sample.advantage is not None:
         if isinstance(sample.advantage, list):
             _check_floats(f"{sf}.advantage", sample.advantage, n)
@@ -96,6 +103,55 @@ def _validate_sample(
         raise InvalidInput(
             f"{sf}.ref_logprobs", "loss_config.kl.coef > 0 needs reference log-probs (forward with zone='reference')"
         )
+
+
+def _is_positive_finite(value: Any) -> bool:
+    return type(value) in (int, float) and 0 < value < math.inf
+
+
+def check_temperature(temperature: Any) -> float | None:
+    """The `temperature` argument of forward / forward_backward: a finite number > 0, or None
+    (take it from the batch's samples); InvalidInput("temperature") otherwise."""
+    if temperature is None:
+        return None
+    if not _is_positive_finite(temperature):
+        raise InvalidInput("temperature", f"must be a finite number > 0 or None (the samples' own), got {temperature!r}")
+    return float(temperature)
+
+
+def resolve_temperature(batch: Batch, temperature: float | None, where: str = "batch") -> float:
+    """The temperature to score a validated `batch` at (the one rule, floe.types docstring).
+
+    Given `temperature` (checked by `check_temperature`): every sample that states a
+    temperature must state this one. None: the temperature the samples state, which must be
+    the same for all that state one; 1.0 when none does. A disagreement raises InvalidInput
+    naming the sample's `temperature` field and both values.
+    """
+    first: tuple[str, float] | None = None
+    for gi, group in enumerate(batch.groups):
+        for si, sample in enumerate(group.samples):
+            if sample.temperature is None:
+                continue
+            field = f"{where}.groups[{gi}].samples[{si}].temperature"
+            stated = float(sample.temperature)
+            if temperature is not None and stated != temperature:
+                raise InvalidInput(
+                    field,
+                    f"the sample's log-probs are at temperature {stated} but the call scores at temperature="
+                    f"{temperature}; pass temperature={stated} (or omit it to use the samples'), or set the "
+                    "sample's temperature to None if its log-probs are not used",
+                )
+            if first is None:
+                first = (field, stated)
+            elif stated != first[1]:
+                raise InvalidInput(
+                    field,
+                    f"the sample states temperature {stated} but {first[0]} states {first[1]}; one call scores "
+                    "every sample at one temperature: split the batch by temperature",
+                )
+    if temperature is not None:
+        return temperature
+    return first[1] if first is not None else 1.0
 
 
 def validate_prompts(prompts: Any, n: Any, params: Any, vocab_size: int, max_context: int) -> None:
@@ -119,8 +175,10 @@ def validate_sampling_params(params: Any, vocab_size: int) -> None:
         raise InvalidInput("params", f"must be floe.SamplingParams, got {type(params).__name__}")
     if type(params.max_tokens) is not int or params.max_tokens < 1:
         raise InvalidInput("params.max_tokens", f"must be an integer >= 1, got {params.max_tokens!r}")
-    if type(params.temperature) not in (int, float) or not (params.temperature > 0 and math.isfinite(params.temperature)):
-        raise InvalidInput("params.temperature", f"must be a finite number > 0, got {params.temperature!r}")
+    if type(params.temperature) not in (int, float) or not 0 <= params.temperature < math.inf:
+        raise InvalidInput(
+            "params.temperature", f"must be a finite number >= 0 (0 = greedy), got {params.temperature!r}"
+        )
     if type(params.top_p) not in (int, float) or not 0 < params.top_p <= 1:
         raise InvalidInput("params.top_p", f"must be in (0, 1], got {params.top_p!r}")
     if type(params.top_k) is not int or params.top_k < 0:
@@ -135,3 +193,7 @@ def validate_sampling_params(params: Any, vocab_size: int) -> None:
         raise InvalidInput("params.stop_at_eos", f"must be true or false, got {params.stop_at_eos!r}")
     if params.seed is not None and type(params.seed) is not int:
         raise InvalidInput("params.seed", f"must be an integer or None, got {params.seed!r}")
+    if type(params.top_logprobs) is not int or not 0 <= params.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidInput(
+            "params.top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}] (0 = none), got {params.top_logprobs!r}"
+        )

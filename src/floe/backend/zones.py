@@ -57,7 +57,8 @@ class PolicyWorker(Protocol):
         ...
 
     def save_state(self) -> ZoneState:
-        """Weights, optimizer, step and torch RNG. StateError while gradients wait for optim_step."""
+        """Weights (the fp32 masters under mixed precision), optimizer moments, step and torch
+        RNG. StateError while gradients wait for optim_step."""
         ...
 
     def check_state(self, state: ZoneState) -> None:
@@ -65,7 +66,8 @@ class PolicyWorker(Protocol):
         ...
 
     def load_state(self, state: ZoneState) -> None:
-        """Apply a checked state; gradients not yet applied are discarded."""
+        """Apply a checked state; gradients not yet applied are discarded. Optimizer
+        hyper-parameters are not restored: the policy's configured values win, for every key."""
         ...
 
     def export_hf(self, directory: Path) -> None:

@@ -18,13 +18,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
-import torch
 from pydantic import Field, model_validator
 
 from floe.config import StrictModel, parse_config
 from floe.errors import InvalidInput
+
+# torch is imported inside the functions that compute, not here: recipes validate their
+# [train.loss] table against this registry, and `floe train` must report a typo in well under
+# a second, before torch (1-5 s to import) loads.
+if TYPE_CHECKING:
+    import torch
 
 Aggregation = Literal["sum", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -90,6 +95,12 @@ class GSPOConfig(ClippedConfig):
     # The GSPO paper's sequence-ratio clip range.
     clip_low: float = Field(3e-4, ge=0, le=1)
     clip_high: float = Field(4e-4, ge=0)
+
+
+class DROConfig(LossConfig):
+    """Direct reward optimisation (Tinker's `dro`): a quadratic penalty on logp − logp_old."""
+
+    beta: float = Field(0.05, ge=0, description="weight of the squared log-ratio penalty")
 
 
 @dataclass
@@ -164,6 +175,7 @@ def bounded_exp(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Shapes follow `x`. The two branches are combined without `torch.where` over an overflowed
     exp, so the backward pass never multiplies 0 by inf.
     """
+    import torch  # noqa: PLC0415 - see the note at the top
     head = torch.exp(x.clamp(max=EXP_BOUND))
     tail = (x - EXP_BOUND).clamp(min=0.0) * torch.exp(torch.tensor(EXP_BOUND, dtype=x.dtype, device=x.device))
     return head + tail, (x > EXP_BOUND).detach()
@@ -173,6 +185,7 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> t
     """Per-token estimate of KL(policy ‖ reference) on tokens drawn from the policy, and the
     mask of tokens where `bounded_exp` bit. d = logp − ref_logp:
     k1 = d, k2 = ½d², k3 = exp(−d) + d − 1 (Schulman, "Approximating KL Divergence", 2020)."""
+    import torch  # noqa: PLC0415 - see the note at the top
     diff = logp - ref_logp
     none = torch.zeros_like(diff, dtype=torch.bool)
     if estimator == "k1":
@@ -184,21 +197,25 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> t
 
 
 def _segment_sum(values: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
+    import torch  # noqa: PLC0415 - see the note at the top
     return torch.zeros(n, dtype=values.dtype, device=values.device).index_add(0, index, values)
 
 
 def _cross_entropy(cfg: LossConfig, x: TokenInputs) -> TokenLoss:
+    import torch  # noqa: PLC0415 - see the note at the top
     none = torch.zeros_like(x.logp, dtype=torch.bool)
     return TokenLoss(-x.logp, none, none)
 
 
 def _importance_sampling(cfg: LossConfig, x: TokenInputs) -> TokenLoss:
+    import torch  # noqa: PLC0415 - see the note at the top
     assert x.old_logp is not None and x.advantages is not None
     ratio, bounded = bounded_exp(x.logp - x.old_logp)
     return TokenLoss(-ratio * x.advantages, torch.zeros_like(ratio, dtype=torch.bool), bounded)
 
 
 def _ppo(cfg: LossConfig, x: TokenInputs) -> TokenLoss:
+    import torch  # noqa: PLC0415 - see the note at the top
     assert isinstance(cfg, PPOConfig) and x.old_logp is not None and x.advantages is not None
     adv = x.advantages
     ratio, bounded = bounded_exp(x.logp - x.old_logp)
@@ -223,6 +240,7 @@ def _cispo(cfg: LossConfig, x: TokenInputs) -> TokenLoss:
 
 
 def _gspo(cfg: LossConfig, x: TokenInputs) -> TokenLoss:
+    import torch  # noqa: PLC0415 - see the note at the top
     assert isinstance(cfg, GSPOConfig) and x.old_logp is not None and x.advantages is not None
     adv = x.advantages
     # s_i = exp(mean over the sample's loss tokens of (logp - old)); gradient flows through it.
@@ -235,6 +253,13 @@ def _gspo(cfg: LossConfig, x: TokenInputs) -> TokenLoss:
     loss = -torch.minimum(seq_ratio * adv, clipped_ratio * adv)
     clipped = (seq_ratio * adv).detach() > (clipped_ratio * adv).detach()
     return TokenLoss(loss, clipped, bounded)
+
+
+def _dro(cfg: LossConfig, x: TokenInputs) -> TokenLoss:
+    import torch  # noqa: PLC0415 - see the note at the top
+    assert isinstance(cfg, DROConfig) and x.old_logp is not None and x.advantages is not None
+    none = torch.zeros_like(x.logp, dtype=torch.bool)
+    return TokenLoss(-(x.logp * x.advantages - 0.5 * cfg.beta * (x.logp - x.old_logp) ** 2), none, none)
 
 
 PerTokenLoss = Callable[[LossConfig, TokenInputs], "TokenLoss"]
@@ -266,6 +291,7 @@ LOSSES: dict[str, LossDef] = {
         LossDef("ppo", PPOConfig, _ppo, _POLICY_INPUTS, "-min(r*A, clip(r)*A), optional dual clip"),
         LossDef("cispo", CISPOConfig, _cispo, _POLICY_INPUTS, "-sg(clip(r))*A*logp"),
         LossDef("gspo", GSPOConfig, _gspo, _POLICY_INPUTS, "sequence-level ratio, clipped like ppo"),
+        LossDef("dro", DROConfig, _dro, _POLICY_INPUTS, "-(A*logp - beta/2*(logp-logp_old)^2)"),
     )
 }
 
@@ -340,6 +366,7 @@ def compute_loss(spec: LossSpec, x: TokenInputs) -> tuple[torch.Tensor, dict[str
     The returned loss is Σ_t scale_t · w_t · (ℓ_t + kl_coef·k_t − entropy_coef·H_t); the sums
     are combined across micro-batches by `finalize_metrics`.
     """
+    import torch  # noqa: PLC0415 - see the note at the top
     cfg = spec.config
     out = per_token_policy_loss(spec, x)
     loss_tok, clipped, bounded = out.loss, out.clipped, out.bounded

@@ -25,7 +25,6 @@ BIRD rows (``db_id``, ``question``, ``SQL``, optional ``evidence``) with databas
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 import weakref
@@ -42,6 +41,7 @@ from floe.envs.sql_databases import SCHEMAS, db_id, ensure_database, read_schema
 from floe.envs.sql_extract import extract_sql, format_ok
 from floe.envs.sql_questions import TEMPLATES
 from floe.envs.sql_sandbox import SqlRunner
+from floe.paths import cache_root
 
 NAME = "text2sql"
 INSTRUCTION = (
@@ -49,13 +49,13 @@ INSTRUCTION = (
     "query in a ```sql block inside <answer></answer>."
 )
 FORMAT_FLOOR = 0.1  # the score of a query that runs but is wrong, and of a well-formatted reply
-DEFAULT_DB_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "floe" / "text2sql"
+DB_SUBDIR = "text2sql"  # generated databases live in <$FLOE_CACHE>/text2sql unless db_dir says otherwise
 
 
 class Text2SqlOptions(DataFileOptions):
     """Options of the text2sql family (data files: BIRD .json/.jsonl rows, with db_root)."""
 
-    db_dir: str | None = None  # where generated databases live; None = ~/.cache/floe/text2sql
+    db_dir: str | None = None  # where generated databases live; None = $FLOE_CACHE/text2sql (~/.cache/floe/text2sql)
     db_seed: int = 0  # which generated database instances (shared by train and eval)
     schemas: tuple[str, ...] = tuple(SCHEMAS)  # generated schemas to draw questions from
     db_root: str | None = None  # BIRD databases: db_root/<db_id>/<db_id>.sqlite (needs data_path)
@@ -90,7 +90,7 @@ class Text2SqlFamily(EnvFamily):
 
     def __init__(self, **options: object) -> None:
         self.options = parse_options(Text2SqlOptions, NAME, options)
-        self.db_dir = Path(self.options.db_dir).expanduser() if self.options.db_dir else DEFAULT_DB_DIR
+        self.db_dir = Path(self.options.db_dir).expanduser() if self.options.db_dir else cache_root() / DB_SUBDIR
         self.runner = SqlRunner(self.options.workers, self.options.start_method)  # starts no process until first use
         self._gold_cache: dict[tuple[str, str], frozenset] = {}
         self._gold_lock = threading.Lock()

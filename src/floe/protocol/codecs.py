@@ -10,8 +10,10 @@ which codec is its record in protocol/ops.py. Ragged structure travels as length
 
 A batch carries `group_sizes` (samples per group), `prompt`+`prompt.lengths` (each prompt
 ONCE, however many samples share it; never padded), `tokens`+`tokens.lengths`, and the
-optional `logprobs`, `weights`, `ref_logprobs`, `advantage` (per token) and
-`advantage.scalar` (a length-1 list per sample). Floats go as F32 when that is exact (sampler
+optional `logprobs`, `weights`, `ref_logprobs`, `advantage` (per token),
+`advantage.scalar` and `temperature` (each a length-1 list per sample). A sample result
+carries each sequence's `temperature` the same optional way, and its optional `top_logprobs`
+as `top_logprobs.ids` + `top_logprobs` (per sequence: tokens × k, flattened). Floats go as F32 when that is exact (sampler
 and policy log-probs are float32 already) and as F64 otherwise, so decoding always yields
 exactly the numbers that were encoded: a remote call sees the same inputs as an in-process one.
 
@@ -188,6 +190,7 @@ def _encode_batch(batch: Any, tensors: Tensors) -> None:
     scalar = [[s.advantage] if isinstance(s.advantage, (int, float)) else None for s in samples]
     _put_optional(tensors, "advantage", per_token, "float", sample_field("advantage"))
     _put_optional(tensors, "advantage.scalar", scalar, "float", sample_field("advantage"))
+    _put_scalars(tensors, "temperature", [s.temperature for s in samples], sample_field("temperature"))
 
 
 def _decode_batch(tensors: Tensors) -> Batch:
@@ -198,6 +201,7 @@ def _decode_batch(tensors: Tensors) -> Batch:
     extra = {name: _get_optional(tensors, name, count, "float") for name in _OPTIONAL_SAMPLE_FIELDS}
     per_token = _get_optional(tensors, "advantage", count, "float")
     scalar = _get_optional(tensors, "advantage.scalar", count, "float")
+    temperatures = _get_scalars(tensors, "temperature", count)
     samples = []
     for i in range(count):
         if per_token[i] is not None and scalar[i] is not None:
@@ -205,8 +209,26 @@ def _decode_batch(tensors: Tensors) -> Batch:
         if scalar[i] is not None and len(scalar[i]) != 1:
             raise WireError("body.advantage.scalar", f"sample {i}: a scalar advantage is one value")
         advantage = scalar[i][0] if scalar[i] is not None else per_token[i]
-        samples.append(Sample(tokens[i], advantage=advantage, **{k: v[i] for k, v in extra.items()}))
+        samples.append(
+            Sample(tokens[i], advantage=advantage, temperature=temperatures[i], **{k: v[i] for k, v in extra.items()})
+        )
     return Batch([Group(p, samples[a:b]) for p, a, b in zip(prompts, *_bounds(sizes))])
+
+
+def _put_scalars(tensors: Tensors, name: str, values: list[Any], field_of: Callable[[int], str]) -> None:
+    """Optional numbers, one per sample (None = absent), as length-1 lists under `name`."""
+    for i, v in enumerate(values):
+        if v is not None and type(v) not in (int, float):
+            raise InvalidInput(field_of(i), f"must be a number or None, got {v!r}")
+    _put_optional(tensors, name, [[v] if v is not None else None for v in values], "float", field_of)
+
+
+def _get_scalars(tensors: Tensors, name: str, count: int) -> list[float | None]:
+    values = _get_optional(tensors, name, count, "float")
+    for i, v in enumerate(values):
+        if v is not None and len(v) != 1:
+            raise WireError(f"body.{name}", f"sample {i}: a {name} is one value")
+    return [v[0] if v is not None else None for v in values]
 
 
 def _group_sizes(tensors: Tensors) -> np.ndarray:
@@ -244,7 +266,48 @@ def _encode_sample_result(r: SampleResult, tensors: Tensors) -> dict[str, Any]:
     _put_lists(tensors, "logprobs", [s.logprobs for s in seqs], "float", lambda i: "result.logprobs")
     tensors["stop_reason"] = np.array([_STOP_REASONS.index(s.stop_reason) for s in seqs], dtype=np.uint8)
     tensors["weights_version"] = np.array([s.weights_version for s in seqs], dtype=np.int64)
+    _put_scalars(tensors, "temperature", [s.temperature for s in seqs], lambda i: "result.temperature")
+    _put_top_logprobs(tensors, seqs)
     return {"weights_version": r.weights_version, "num_tokens": r.num_tokens, "seconds": r.seconds}
+
+
+def _put_top_logprobs(tensors: Tensors, seqs: list[SampledSequence]) -> None:
+    """Each sequence's optional `top_logprobs` ([token][k] (id, log-prob), the same k for all
+    its tokens) as flat `top_logprobs.ids` and `top_logprobs` lists, k = length / tokens."""
+    ids: list[list[int] | None] = []
+    values: list[list[float] | None] = []
+    for i, s in enumerate(seqs):
+        top = s.top_logprobs
+        if top is None:
+            ids.append(None)
+            values.append(None)
+            continue
+        k = len(top[0]) if top else 0
+        if len(top) != len(s.tokens) or any(len(alts) != k for alts in top):
+            raise InvalidInput(f"result.top_logprobs[{i}]", "must hold the same number of alternatives for each token")
+        ids.append([t for alts in top for t, _ in alts])
+        values.append([lp for alts in top for _, lp in alts])
+    _put_optional(tensors, "top_logprobs.ids", ids, "int", lambda i: f"result.top_logprobs[{i}]")
+    _put_optional(tensors, "top_logprobs", values, "float", lambda i: f"result.top_logprobs[{i}]")
+
+
+def _get_top_logprobs(tensors: Tensors, tokens: list[list[int]]) -> list[list[list[tuple[int, float]]] | None]:
+    ids = _get_optional(tensors, "top_logprobs.ids", len(tokens), "int")
+    values = _get_optional(tensors, "top_logprobs", len(tokens), "float")
+    out: list[list[list[tuple[int, float]]] | None] = []
+    for i, (seq_ids, seq_values, seq_tokens) in enumerate(zip(ids, values, tokens)):
+        if seq_ids is None or seq_values is None:
+            if seq_ids is not None or seq_values is not None:
+                raise WireError("body.top_logprobs.present", f"sequence {i} has ids or log-probs but not both")
+            out.append(None)
+            continue
+        n = len(seq_tokens)
+        if len(seq_ids) != len(seq_values) or (n == 0 and seq_ids) or (n and len(seq_ids) % n):
+            raise WireError("body.top_logprobs", f"sequence {i}: {len(seq_ids)} ids and {len(seq_values)} log-probs for {n} tokens")
+        k = len(seq_ids) // n if n else 0
+        pairs = list(zip(seq_ids, seq_values))
+        out.append([pairs[t * k : (t + 1) * k] for t in range(n)])
+    return out
 
 
 def _decode_sample_result(result: dict[str, Any], tensors: Tensors) -> SampleResult:
@@ -254,7 +317,12 @@ def _decode_sample_result(result: dict[str, Any], tensors: Tensors) -> SampleRes
     logprobs = _get_lists(tensors, "logprobs", count, "float")
     reasons = [_STOP_REASONS[i] for i in _need(tensors, "stop_reason", "u8").tolist()]
     versions = _need(tensors, "weights_version", "int").tolist()
-    seqs = [SampledSequence(t, lp, r, v) for t, lp, r, v in zip(tokens, logprobs, reasons, versions)]  # type: ignore[arg-type]
+    temperatures = _get_scalars(tensors, "temperature", count)
+    tops = _get_top_logprobs(tensors, tokens)
+    seqs = [
+        SampledSequence(t, lp, r, v, temp, top)  # type: ignore[arg-type]
+        for t, lp, r, v, temp, top in zip(tokens, logprobs, reasons, versions, temperatures, tops)
+    ]
     prompts = _get_lists(tensors, "prompt", sizes.size, "int")
     groups = [SampledGroup(p, ss) for p, ss in zip(prompts, _nest(seqs, sizes))]
     return SampleResult(groups, **result)

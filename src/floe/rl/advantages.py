@@ -1,6 +1,7 @@
 """Group-relative advantages and the training batch they become.
 
-A = r - mean(r of the group) (GRPO / Dr. GRPO), optionally divided by the group's std + eps.
+A = r - mean(r of the group) (GRPO / Dr. GRPO), optionally divided by the group's std + eps,
+computed by the public `floe.grpo.group_advantages` with the recipe's [train.advantages].
 Groups whose rewards are all equal carry no signal and can be dropped. Every turn of an
 episode gets the episode's advantage; a group's first turns share its prompt, so they form one
 `floe.Group` (the prompt is sent and computed once); later turns of multi-turn episodes have
@@ -9,11 +10,7 @@ their own prompts and become groups of one.
 
 from __future__ import annotations
 
-import math
-import numbers
-import statistics
-
-from floe.errors import InvalidInput
+from floe import grpo
 from floe.rl.config import AdvantageConfig
 from floe.rl.rollouts import Episode
 from floe.types import Batch, Group, Sample
@@ -23,19 +20,9 @@ def group_advantages(rewards: list[float], cfg: AdvantageConfig) -> list[float] 
     """Advantages for one group (one per reward, same order), or None when the group should be
     dropped. Raises InvalidInput naming ``rewards[i]`` when the list is empty or a reward is
     not a finite real number (NaN would turn the whole group's advantages into NaN)."""
-    if not rewards:
-        raise InvalidInput("rewards", "a group needs at least one reward")
-    for i, r in enumerate(rewards):
-        if not isinstance(r, numbers.Real) or not math.isfinite(r):
-            raise InvalidInput(f"rewards[{i}]", f"must be a finite real number, got {r!r}")
-    if cfg.drop_constant_groups and max(rewards) - min(rewards) < 1e-12:
-        return None
-    mean = statistics.fmean(rewards)
-    adv = [r - mean for r in rewards]
-    if cfg.scale_std and len(rewards) > 1:
-        std = statistics.pstdev(rewards)
-        adv = [a / (std + cfg.eps) for a in adv]
-    return adv
+    return grpo.group_advantages(
+        rewards, scale_std=cfg.scale_std, drop_constant_groups=cfg.drop_constant_groups, eps=cfg.eps
+    )
 
 
 def build_training_batch(groups: list[list[Episode]], cfg: AdvantageConfig) -> tuple[Batch, int]:

@@ -21,21 +21,31 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, Field, ValidationError, create_model, model_validator
 
 from floe.compute.losses import LOSSES, LossConfig, loss_names
-from floe.config import BackendConfig, StrictModel
+from floe.config import BackendConfig, StrictModel, apply_override, deep_merge, load_layers
 from floe.envs.registry import validate_options
 from floe.errors import InvalidInput
 
 
 class TinyModelConfig(StrictModel):
-    """Dimensions of a tiny Qwen3 that floe builds itself (random init, char tokenizer)."""
+    """Dimensions of a tiny Qwen3 that floe builds itself (random init, char tokenizer): the
+    keyword arguments of `floe.models.make_tiny`, with the same defaults (a test holds them equal;
+    this module cannot import make_tiny, which loads torch)."""
 
-    hidden_size: int = Field(128, gt=0)
-    intermediate_size: int = Field(384, gt=0)
-    num_hidden_layers: int = Field(4, gt=0)
+    hidden_size: int = Field(64, gt=0)
+    intermediate_size: int = Field(128, gt=0)
+    num_hidden_layers: int = Field(2, gt=0)
     num_attention_heads: int = Field(4, gt=0)
     num_key_value_heads: int = Field(2, gt=0)
-    max_position_embeddings: int = Field(512, gt=0)
+    head_dim: int | None = Field(None, gt=0, description="None = hidden_size // num_attention_heads")
+    max_position_embeddings: int = Field(1024, gt=0)
+    tie_word_embeddings: bool = False
     seed: int = 0
+
+    def make_tiny_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments for make_tiny. head_dim and tie_word_embeddings are passed only
+        when the recipe sets them, so existing recipes keep their warm-start cache keys."""
+        later = {"head_dim", "tie_word_embeddings"} - self.model_fields_set
+        return self.model_dump(exclude=later)
 
 
 class ModelConfig(StrictModel):
@@ -45,20 +55,38 @@ class ModelConfig(StrictModel):
     tiny: TinyModelConfig | None = None
 
     @model_validator(mode="after")
-    def _exactly_one(self) -> "ModelConfig":
+    def _exactly_one(self) -> ModelConfig:
         if (self.path is None) == (self.tiny is None):
             raise ValueError("set exactly one of model.path or [model.tiny]")
         return self
 
 
 class WarmStartConfig(StrictModel):
-    """SFT on the environment's demonstrations before RL; the result is cached by its config."""
+    """SFT before RL (and the hyperparameters of `floe sft`): on the environment's
+    demonstrations, or on `[sft] data`; the result is cached by its config."""
 
     steps: int = Field(200, ge=1)
     batch_size: int = Field(32, ge=1)
     lr: float = Field(3e-3, gt=0)
     warmup_steps: int = Field(10, ge=0)
     seed: int = 0
+
+
+class SftDataConfig(StrictModel):
+    """`[sft]`: the data `floe sft` trains on instead of the env's demonstrations (floe.rl.sft).
+
+    `data` is a .jsonl / .json / .parquet file, a directory written by `datasets`'
+    `save_to_disk`, or a Hugging Face hub dataset name (needs the `datasets` extra). Each row is a
+    chat (`messages`: a list of {role, content}; the last assistant message is the target) or a
+    prompt/completion pair (strings, or message lists)."""
+
+    data: str | None = Field(None, description="None = the env's demonstrations")
+    split: str = "train"
+    messages_field: str = "messages"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    chat_template: bool = Field(True, description="render string prompts as a user message with the chat template; "
+                                "false = plain text prompt + completion")
 
 
 class EnvConfig(StrictModel):
@@ -140,6 +168,7 @@ class EvalConfig(StrictModel):
     temperature: float = Field(1.0, gt=0)
     max_tokens: int | None = None
     seed: int = 1234
+    pass_reward: float = Field(1.0, description="an episode passes (pass@k, maj@k) when its reward is at least this")
 
 
 class OutputConfig(StrictModel):
@@ -153,12 +182,19 @@ class OutputConfig(StrictModel):
     tensorboard: bool = False
 
 
+# [backend] keys that choose a remote backend instead of an embedded one (not BackendConfig's).
+REMOTE_KEYS = ("url", "token")
+
+
 class Recipe(StrictModel):
     """Everything a run needs. `backend` is a BackendConfig without `model` (set by [model]);
-    its `state_dir` defaults to <output.run_dir>/states."""
+    its `state_dir` defaults to <output.run_dir>/states. `backend.url` (+ `backend.token`, or
+    $FLOE_TOKEN) runs against `floe serve` instead: the server applies its own [model] and
+    [backend] (start it with the same recipe)."""
 
     model: ModelConfig
     warm_start: WarmStartConfig | None = None
+    sft: SftDataConfig = SftDataConfig()
     backend: dict[str, Any] = Field(default_factory=dict)
     env: EnvConfig = EnvConfig()
     train: TrainConfig = TrainConfig()
@@ -166,14 +202,23 @@ class Recipe(StrictModel):
     output: OutputConfig = OutputConfig()
 
     @model_validator(mode="after")
-    def _backend_has_no_model(self) -> "Recipe":
+    def _backend_has_no_model(self) -> Recipe:
         if "model" in self.backend:
-            raise ValueError("set the model in [model], not backend.model")
-        BackendConfig.model_validate({"model": "x", **self.backend})  # fail early on bad keys
+            raise InvalidInput("backend.model", "set the model in [model] (model.path or [model.tiny]), not in [backend]")
+        for key in REMOTE_KEYS:
+            if key in self.backend and not isinstance(self.backend[key], str):
+                raise InvalidInput(f"backend.{key}", f"must be a string, got {self.backend[key]!r}")
+        if "token" in self.backend and "url" not in self.backend:
+            raise InvalidInput("backend.token", "only used with backend.url (a remote backend)")
+        local = {k: v for k, v in self.backend.items() if k not in REMOTE_KEYS}
+        try:
+            BackendConfig.model_validate({"model": "x", **local})  # fail early on bad keys
+        except ValidationError as e:
+            raise _backend_error(e.errors()[0]) from None
         return self
 
     @model_validator(mode="after")
-    def _env_resolves(self) -> "Recipe":
+    def _env_resolves(self) -> Recipe:
         validate_options(self.env.name, self.env.options)  # InvalidInput naming env.name / env.options.<key>
         return self
 
@@ -182,8 +227,118 @@ class Recipe(StrictModel):
         """backend.state_dir when the recipe sets it, else <output.run_dir>/states."""
         return self.backend.get("state_dir") or str(Path(self.output.run_dir) / "states")
 
+    @property
+    def url(self) -> str | None:
+        """backend.url: the `floe serve` this recipe runs against; None = an embedded backend."""
+        return self.backend.get("url")
+
     def backend_config(self, model_path: str) -> BackendConfig:
-        return BackendConfig.model_validate({**self.backend, "model": model_path, "state_dir": self.state_dir})
+        """The embedded backend's config for the prepared model (the [backend] table less url/token)."""
+        local = {k: v for k, v in self.backend.items() if k not in REMOTE_KEYS}
+        return BackendConfig.model_validate({**local, "model": model_path, "state_dir": self.state_dir})
+
+    def public_dump(self) -> dict[str, Any]:
+        """The recipe as JSON values, with backend.token masked: what config.json and loggers get."""
+        data = self.model_dump(mode="json")
+        if "token" in data["backend"]:
+            data["backend"]["token"] = "***"
+        return data
+
+
+def _backend_error(err: Any) -> InvalidInput:
+    """A BackendConfig validation error as InvalidInput with the recipe's path (backend.<key>)."""
+    loc = [str(p) for p in err["loc"]]
+    path = ".".join(["backend", *loc])
+    if err["type"] == "extra_forbidden":
+        model = _model_at(BackendConfig, loc[:-1])
+        allowed = sorted(model.model_fields) if model is not None else []
+        if model is BackendConfig:
+            allowed = sorted({*allowed, *REMOTE_KEYS} - {"model"})
+        return InvalidInput(path, f"unknown key; allowed keys: {', '.join(allowed) or 'see docs/api.md'}")
+    if err["type"] == "missing":
+        return InvalidInput(path, "required key is missing")
+    return InvalidInput(path, err["msg"])
+
+
+# Keys whose value may differ when a run is resumed (`floe train --resume`); any other change is
+# refused, naming the key (docs/recipes.md lists these). Dotted paths; a table covers its keys.
+RESUMABLE_KEYS = (
+    "train.steps",
+    "eval.every",
+    "output.checkpoint_every",
+    "output.keep_checkpoints",
+    "output.rollouts_per_step",
+    "output.progress",
+    "output.wandb",
+    "output.wandb_project",
+    "output.tensorboard",
+    "backend.num_threads",
+    "backend.url",
+    "backend.token",
+)
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a.b": value} for every leaf of nested tables (lists and other values are leaves)."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, path + "."))
+        else:
+            out[path] = value
+    return out
+
+
+# Tables whose keys are free-form (not model fields): a key present on one side only is a change.
+FREE_TABLES = ("backend.", "env.options.")
+
+
+def config_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """{dotted key: (old value, new value)} for every key that differs between two recipe dumps
+    (JSON values, as config.json holds them). Outside FREE_TABLES a key only one side has is no
+    change: every model field is always dumped, so it was added to (or dropped from) floe since."""
+    a, b = flatten(old), flatten(new)
+    keys = sorted(a.keys() | b.keys())
+    return {
+        k: (a.get(k), b.get(k))
+        for k in keys
+        if (k in a and k in b and a[k] != b[k]) or ((k in a) != (k in b) and k.startswith(FREE_TABLES))
+    }
+
+
+def is_resumable(key: str) -> bool:
+    """True when `key` (dotted) may change on resume (RESUMABLE_KEYS)."""
+    return any(key == k or key.startswith(k + ".") for k in RESUMABLE_KEYS)
+
+
+MODEL_CHOICES = ("path", "tiny")
+
+
+def merge_recipe_layers(files: list[str], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Recipe files merged left to right, then the overrides, as `floe.config.load_layers` does,
+    except that `[model]` holds one choice: a later file or override that sets `model.path`
+    replaces an earlier `[model.tiny]`, and one that sets `model.tiny` replaces `model.path`."""
+    data: dict[str, Any] = {}
+    for file in files:
+        layer = load_layers([file])
+        data = deep_merge(_without_replaced_model(data, layer.get("model")), layer)
+    for key, value in overrides.items():
+        parts = key.split(".")
+        if parts[0] == "model" and len(parts) > 1 and parts[1] in MODEL_CHOICES and value is not None:
+            data = _without_replaced_model(data, {parts[1]: value})
+        data = apply_override(data, key, value)
+    return data
+
+
+def _without_replaced_model(data: dict[str, Any], layer_model: Any) -> dict[str, Any]:
+    """`data` less the model choice that `layer_model` (a later layer's [model]) replaces."""
+    if not isinstance(layer_model, dict) or not isinstance(data.get("model"), dict):
+        return data
+    chosen = [k for k in MODEL_CHOICES if layer_model.get(k) is not None]
+    if len(chosen) != 1:
+        return data
+    return {**data, "model": {k: v for k, v in data["model"].items() if k not in MODEL_CHOICES or k == chosen[0]}}
 
 
 def parse_recipe(data: dict[str, Any], where: str = "recipe") -> Recipe:

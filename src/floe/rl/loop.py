@@ -16,10 +16,12 @@ timing, within the bound).
 
 from __future__ import annotations
 
+import itertools
 import json
 import queue
 import re
 import statistics
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,13 +32,15 @@ from typing import Any
 import floe
 from floe.atomic import atomic_write_text
 from floe.compute.losses import resolve_loss
-from floe.envs import EnvFamily, Task, make_family
+from floe.errors import InvalidInput
 from floe.rl.advantages import build_training_batch
-from floe.rl.config import Recipe, loss_request
+from floe.rl.config import RESUMABLE_KEYS, Recipe, config_changes, is_resumable, loss_request
+from floe.rl.evaluation import evaluate, rollout_record
 from floe.rl.metrics import MetricsLogger, read_jsonl, truncate_jsonl
+from floe.rl.preflight import check_recipe
 from floe.rl.progress import RunProgress
 from floe.rl.rollouts import Renderer, RolloutBatch, run_episodes
-from floe.rl.warmstart import prepare_model
+from floe.rl.warmstart import connect_recipe
 from floe.types import Batch, SamplingParams
 
 
@@ -52,24 +56,6 @@ def step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step * 7_919) % (2**31)
 
 
-def evaluate(client: floe.Client, family: EnvFamily, tasks: list[Task], recipe: Recipe, renderer: Renderer,
-             scorer: ThreadPoolExecutor) -> dict[str, float]:
-    """Mean reward on held-out tasks: `samples_per_task` episodes each, greedy or sampled."""
-    ev = recipe.eval
-    params = SamplingParams(
-        max_tokens=ev.max_tokens or recipe.train.max_tokens,
-        temperature=ev.temperature,
-        top_k=1 if ev.greedy else 0,
-        seed=ev.seed,
-    )
-    rollouts = run_episodes(client, family, tasks, ev.samples_per_task, params, renderer, scorer)
-    rewards = [e.reward for e in rollouts.episodes]
-    out = {"eval/reward_mean": statistics.fmean(rewards), "eval/reward_std": statistics.pstdev(rewards)}
-    for key in sorted({k for e in rollouts.episodes for k in e.metrics}):
-        out[f"eval/{key}"] = statistics.fmean(e.metrics.get(key, 0.0) for e in rollouts.episodes)
-    return out
-
-
 class Trainer:
     def __init__(self, recipe: Recipe, resume: bool = False, progress: bool | None = None):
         self.recipe = recipe
@@ -79,26 +65,65 @@ class Trainer:
         # Checkpoint names carry the run's name, so runs sharing one (remote) backend never
         # overwrite or resume each other's states.
         self._checkpoint_prefix = re.sub(r"[^A-Za-z0-9_.-]", "_", self.run_dir.resolve().name).lstrip(".") + "."
+        self.steps_done = 0  # steps trained so far (the CLI reports it on Ctrl-C)
+        self.checkpoint_step: int | None = None  # the step of the latest checkpoint, if any
+        self._restart = False
 
     # -- setup ----------------------------------------------------------------------------
 
     def _prepare_run_dir(self) -> None:
+        """Decide how the run starts (before any model loads) and record its config.
+
+        A directory without metrics.jsonl starts fresh (`--resume` is refused: nothing to resume).
+        One with metrics but no checkpoint (stopped before its first) restarts from step 0 with
+        `--resume`; one with a checkpoint continues from it, after the new recipe is compared with
+        the run's: only RESUMABLE_KEYS may differ. Without `--resume` both are refused, the
+        message saying which `--resume` would do. config.json is the current recipe;
+        config_history.jsonl gets one line per start ({"step", "changed", "config"})."""
         metrics = self.run_dir / "metrics.jsonl"
-        if metrics.exists() and not self.resume:
-            raise FileExistsError(
-                f"{self.run_dir} already holds a run; pass --resume to continue it or set output.run_dir"
-            )
+        state_file = self.run_dir / "loop_state.json"
+        checkpoint = json.loads(state_file.read_text()) if state_file.is_file() else None
+        self.checkpoint_step = int(checkpoint["step"]) if checkpoint else None
+        new = self.recipe.public_dump()
+        changed: dict[str, Any] = {}
+        if not metrics.exists():
+            if self.resume:
+                raise InvalidInput("--resume", f"no run in {self.run_dir} to resume (no metrics.jsonl); drop --resume to start it")
+            self._restart = False
+        elif not self.resume:
+            what = (f"a run with a checkpoint at step {self.checkpoint_step}; pass --resume to continue it from there"
+                    if checkpoint else "a run stopped before its first checkpoint; pass --resume to restart it from step 0")
+            raise FileExistsError(f"{self.run_dir} already holds {what}, or set output.run_dir to start a new run")
+        else:
+            self._restart = checkpoint is None
+            old_file = self.run_dir / "config.json"
+            if checkpoint is not None and old_file.is_file():
+                changed = config_changes(json.loads(old_file.read_text()), new)
+                refused = [k for k in changed if not is_resumable(k)]
+                if refused:
+                    old, now = changed[refused[0]]
+                    raise InvalidInput(
+                        f"recipe.{refused[0]}",
+                        f"was {json.dumps(old)} in the run being resumed, now {json.dumps(now)}; only "
+                        f"{', '.join(RESUMABLE_KEYS)} may change on --resume (docs/recipes.md). Put the old value "
+                        "back, or start a new run with another output.run_dir",
+                    )
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(self.run_dir / "config.json", json.dumps(self.recipe.model_dump(), indent=2))
+        atomic_write_text(self.run_dir / "config.json", json.dumps(new, indent=2))
+        start = 0 if checkpoint is None or not self.resume else self.checkpoint_step
+        with (self.run_dir / "config_history.jsonl").open("a") as f:
+            f.write(json.dumps({"step": start, "changed": {k: list(v) for k, v in changed.items()}, "config": new}) + "\n")
 
     def _resume_point(self, client: floe.Client) -> int:
-        """Load the latest checkpoint; returns the number of steps already done."""
-        state_file = self.run_dir / "loop_state.json"
-        if not self.resume or not state_file.exists():
-            if self.resume:
-                raise FileNotFoundError(f"--resume: no checkpoint in {self.run_dir}")
+        """Load the latest checkpoint; returns the number of steps already done (0 for a fresh
+        run, and for a resumed run that had no checkpoint: its outputs are cleared)."""
+        if not self.resume:
             return 0
-        state = json.loads(state_file.read_text())
+        if self._restart:
+            truncate_jsonl(self.run_dir / "metrics.jsonl", -1)
+            truncate_jsonl(self.run_dir / "rollouts.jsonl", -1)
+            return 0
+        state = json.loads((self.run_dir / "loop_state.json").read_text())
         client.load_state(state["checkpoint"])
         done = int(state["step"])
         truncate_jsonl(self.run_dir / "metrics.jsonl", done)
@@ -109,6 +134,7 @@ class Trainer:
         name = f"{self._checkpoint_prefix}step_{step:06d}"
         client.save_state(name)
         atomic_write_text(self.run_dir / "loop_state.json", json.dumps({"step": step, "checkpoint": name}))
+        self.checkpoint_step = step
         # Prune through the client, so a remote backend drops them too; only this run's states.
         ours = sorted(n for n in client.list_states() if n.startswith(f"{self._checkpoint_prefix}step_"))
         for old in ours[: -self.recipe.output.keep_checkpoints]:
@@ -119,20 +145,22 @@ class Trainer:
     def run(self, client: floe.Client | None = None) -> RunSummary:
         start_time = time.perf_counter()
         recipe, tr = self.recipe, self.recipe.train
+        family = check_recipe(recipe, model=client is None)  # user errors before any model loads
         self._prepare_run_dir()
+        if self.resume and self._restart:
+            print(f"floe: {self.run_dir} has no checkpoint yet; restarting it from step 0", file=sys.stderr)
         ui = RunProgress(enabled=self.show_progress)
         own_client = client is None
         if client is None:
-            model_path = prepare_model(recipe, ui.warm_start)
-            client = floe.connect(recipe.backend_config(model_path))
-        family = make_family(recipe.env.name, **recipe.env.options)
+            client = connect_recipe(recipe, ui.warm_start)
         self._env_label = family.name
-        renderer = Renderer(client.tokenizer())
+        renderer = self._renderer = Renderer(client.tokenizer())
         scorer = ThreadPoolExecutor(max_workers=8, thread_name_prefix="floe-score")
-        logger = MetricsLogger(self.run_dir, recipe.model_dump(), recipe.output.wandb,
+        logger = MetricsLogger(self.run_dir, recipe.public_dump(), recipe.output.wandb,
                                recipe.output.tensorboard, recipe.output.wandb_project)
         eval_tasks = family.tasks("eval", recipe.eval.size, recipe.eval.seed)
         done = self._resume_point(client)
+        self.steps_done = done
         # The sampler version trained step i would have if every earlier step synced once: the
         # reference for staleness, also on a backend that synced before this run started.
         self._version_base = client.info().sampler_version - done
@@ -153,7 +181,7 @@ class Trainer:
             try:
                 for i in range(done, tr.steps):
                     with trained:
-                        trained.wait_for(lambda: steps_trained[0] >= i - tr.max_off_policy_steps or stop.is_set())
+                        trained.wait_for(lambda i=i: steps_trained[0] >= i - tr.max_off_policy_steps or stop.is_set())
                     if stop.is_set():
                         return
                     tasks = family.tasks("train", tr.groups_per_step, step_seed(tr.seed, i))
@@ -161,7 +189,7 @@ class Trainer:
                                             top_p=tr.top_p, seed=step_seed(tr.seed + 1, i))
                     rollouts.put((i, run_episodes(sampler_client, family, tasks, tr.samples_per_group,
                                                   params, renderer, scorer)))
-            except BaseException as e:  # surface producer failures in the trainer thread
+            except BaseException as e:  # noqa: BLE001 - surfaced in the trainer thread, which raises it
                 rollouts.put(e)
 
         producer = threading.Thread(target=produce, name="floe-rollouts", daemon=True)
@@ -178,6 +206,7 @@ class Trainer:
                     steps_trained[0] = i + 1
                     trained.notify_all()
                 step = i + 1
+                self.steps_done = step
                 if recipe.eval.every and step % recipe.eval.every == 0 or step == tr.steps:
                     ev = evaluate(client, family, eval_tasks, recipe, renderer, scorer)
                     record.update(ev)
@@ -252,11 +281,8 @@ class Trainer:
         record.update({"weights_version": sync.version, "sync_bytes": sync.bytes,
                        "time/train": t1 - t0, "time/sync": t2 - t1})
         if self.recipe.output.rollouts_per_step:
-            logger.rollouts([
-                {"step": i + 1, "reward": e.reward, "turns": [{"completion": t.text, "reward": t.reward} for t in e.turns],
-                 "task": e.task.id}
-                for e in rollouts.episodes[: self.recipe.output.rollouts_per_step]
-            ])
+            logger.rollouts([rollout_record(i + 1, e, self._renderer, self._env_label)
+                             for e in rollouts.episodes[: self.recipe.output.rollouts_per_step]])
         return record
 
 
@@ -264,7 +290,7 @@ def _split_groups(batch: Batch, parts: int) -> list[Batch]:
     n = len(batch.groups)
     parts = min(parts, n)
     bounds = [round(k * n / parts) for k in range(parts + 1)]
-    return [Batch(batch.groups[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a]
+    return [Batch(batch.groups[a:b]) for a, b in itertools.pairwise(bounds) if b > a]
 
 
 def train(recipe: Recipe, resume: bool = False, progress: bool | None = None) -> RunSummary:

@@ -44,13 +44,13 @@ class MetricsLogger:
             try:
                 import wandb as wandb_module
             except ImportError:
-                raise RuntimeError("output.wandb = true needs the wandb package: pip install 'floe[wandb]'") from None
+                raise RuntimeError("output.wandb = true needs the wandb package: pip install 'floe-rl[wandb]'") from None
             self._wandb = wandb_module.init(project=project, config=config, dir=str(run_dir), resume="allow")
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                raise RuntimeError("output.tensorboard = true needs tensorboard: pip install 'floe[tensorboard]'") from None
+                raise RuntimeError("output.tensorboard = true needs tensorboard: pip install 'floe-rl[tensorboard]'") from None
             self._tb = SummaryWriter(str(run_dir / "tensorboard"))
 
     def log(self, record: dict[str, Any]) -> None:

@@ -7,9 +7,9 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from floe.rl.metrics import read_jsonl  # noqa: E402
+from floe.rl.metrics import read_jsonl
 
 PANELS = [
     ("reward.png", "reward", [("reward_mean", "train reward (mean of samples)"), ("eval/reward_mean", "held-out reward")]),

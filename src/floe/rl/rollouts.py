@@ -2,11 +2,8 @@
 
 Text exists only where the environment needs it: the opening messages are rendered once with
 the tokenizer's chat template, the env reads each completion as decoded text, and a later
-turn's prompt is the previous prompt tokens + the completion tokens (verbatim) + the tokens the
-chat template writes after an assistant message's content (e.g. ``<|im_end|>\\n``, minus the
-stop token the sampler already produced) + the rendered new messages, so no completion is ever
-re-tokenised. Templates that rewrite history (Qwen3 drops earlier ``<think>`` blocks) are not
-followed there: the policy keeps seeing, and is trained on, exactly the tokens it sampled.
+turn's prompt continues the previous prompt and completion token for token
+(`floe.chat.Renderer.next_prompt`), so no completion is ever re-tokenised.
 
 An `Episode` keeps every turn (prompt tokens, completion tokens, sampler log-probs, the weights
 version that produced it and the sampler's stop reason), the env's rewards and why it ended:
@@ -32,10 +29,11 @@ import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
+from floe.chat import Renderer
 from floe.client import Client
-from floe.envs import Env, EnvFamily, Message, StepResult, Task
+from floe.envs import Env, EnvFamily, StepResult, Task
 from floe.envs.base import InvalidReward, checked_reward
 from floe.errors import InvalidInput
 from floe.types import SampledSequence, SamplingParams
@@ -86,54 +84,6 @@ class RolloutBatch:
         for ep in self.episodes:
             groups[ep.group].append(ep)
         return groups
-
-
-# Stands in for an assistant message's content so the template's text around it can be found;
-# plain letters, so templates that trim or split content (on </think>) leave it whole.
-_CONTENT_MARK = "FloeAssistantContentMark"
-
-
-class Renderer:
-    """Chat messages -> prompt token ids with the tokenizer's chat template."""
-
-    def __init__(self, tokenizer: Any):
-        self.tokenizer = tokenizer
-
-    def render(self, messages: list[Message]) -> list[int]:
-        """Token ids of ``messages`` rendered with the generation prompt of an assistant turn."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def after_assistant(self, history: list[Message], new: list[Message]) -> str:
-        """The text the chat template writes between the content of an assistant message that
-        follows ``history`` and the next assistant turn's generation point, ``new`` (the env's
-        next messages) included: e.g. ``<|im_end|>\\n<|im_start|>user\\n...<|im_start|>assistant\\n``.
-
-        Found by rendering the conversation with a marker as the assistant's content, so it
-        holds for any template. ValueError when the template does not show the content once.
-        """
-        convo = history + [{"role": "assistant", "content": _CONTENT_MARK}] + new
-        text = self.tokenizer.apply_chat_template(convo, add_generation_prompt=True, tokenize=False)
-        if text.count(_CONTENT_MARK) != 1:
-            raise ValueError("the chat template does not render an assistant message's content exactly once")
-        return text[text.index(_CONTENT_MARK) + len(_CONTENT_MARK) :]
-
-    def next_prompt(
-        self, prompt: list[int], seq: SampledSequence, history: list[Message], new: list[Message]
-    ) -> list[int]:
-        """The prompt of the turn after ``seq`` (sampled for ``prompt``, whose conversation is
-        ``history``): ``prompt + seq.tokens`` verbatim, then the template's text after the
-        assistant's content (``after_assistant``) tokenised, less the stop token ``seq`` ended
-        with when the template writes that token there itself."""
-        rest = self.after_assistant(history, new)
-        if seq.tokens and (seq.stop_reason == "stop_token" or seq.tokens[-1] in self.tokenizer.all_special_ids):
-            stop_text = self.tokenizer.decode(seq.tokens[-1:], skip_special_tokens=False)
-            if stop_text and rest.startswith(stop_text):
-                rest = rest[len(stop_text) :]
-        return prompt + seq.tokens + self.tokenizer.encode(rest, add_special_tokens=False)
-
-    def decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
 
 def run_episodes(

@@ -17,12 +17,14 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import floe
 from floe.atomic import atomic_directory, recover
 from floe.envs import EnvFamily, make_family
 from floe.envs.demonstrations import demonstration
 from floe.models import make_tiny
+from floe.paths import cache_root
 from floe.rl.config import Recipe, WarmStartConfig
 from floe.rl.rollouts import Renderer
 from floe.types import Batch, Group, Sample
@@ -30,17 +32,22 @@ from floe.types import Batch, Group, Sample
 Progress = Callable[[int, int, float], None]  # (step, total, loss)
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("FLOE_CACHE", Path.home() / ".cache" / "floe"))
+def connect_recipe(recipe: Recipe, progress: Progress | None = None) -> floe.Client:
+    """A client for the recipe's backend: `floe serve` at backend.url (token: backend.token or
+    $FLOE_TOKEN; the server holds the model), else an embedded backend on `prepare_model`'s model."""
+    if recipe.url is not None:
+        return floe.connect(recipe.url, token=recipe.backend.get("token") or os.environ.get("FLOE_TOKEN"))
+    return floe.connect(recipe.backend_config(prepare_model(recipe, progress)))
 
 
 def prepare_model(recipe: Recipe, progress: Progress | None = None) -> str:
-    """The model path the run starts from, building and warm-starting it when needed."""
+    """The model path the run starts from, building and warm-starting it when needed.
+    ([warm_start] applies to a tiny model; a model.path is used as it is: `floe sft` trains one.)"""
     if recipe.model.path is not None:
         return recipe.model.path
     assert recipe.model.tiny is not None
     spec = {
-        "tiny": recipe.model.tiny.model_dump(),
+        "tiny": recipe.model.tiny.make_tiny_kwargs(),
         "warm_start": recipe.warm_start.model_dump() if recipe.warm_start else None,
         "env": recipe.env.model_dump() if recipe.warm_start else None,
         "version": 1,
@@ -53,7 +60,7 @@ def prepare_model(recipe: Recipe, progress: Progress | None = None) -> str:
     final.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{final.name}.work-", dir=final.parent))  # scratch, same filesystem
     try:
-        base = make_tiny(work / "base", **recipe.model.tiny.model_dump())
+        base = make_tiny(work / "base", **recipe.model.tiny.make_tiny_kwargs())
         if recipe.warm_start is None:
             result = base
         else:
@@ -82,6 +89,13 @@ def demonstration_batch(family: EnvFamily, renderer: Renderer, count: int, seed:
     return Batch(groups)
 
 
+# (renderer, rng) -> the batch of one SFT step; drawing from `rng` in step order keeps runs exact.
+BatchSource = Callable[[Renderer, random.Random], Batch]
+
+# [backend] keys `floe sft` passes on to its backend (the optimizer is the SFT's own).
+SFT_BACKEND_KEYS = ("device", "dtype", "num_threads", "trust_remote_code", "attn_implementation", "compute", "tokenizer")
+
+
 def sft_on_demonstrations(
     model_path: str,
     family: EnvFamily,
@@ -97,25 +111,46 @@ def sft_on_demonstrations(
     `work/warm`) with `client.export_hf`, which refuses a directory that is not new, empty or
     an earlier floe export (InvalidInput).
     """
+
+    def batches(renderer: Renderer, rng: random.Random) -> Batch:
+        return demonstration_batch(family, renderer, cfg.batch_size, rng.randrange(2**31))
+
+    return sft_train(model_path, batches, cfg, work, progress, {"num_threads": num_threads}, out)
+
+
+def sft_train(
+    model_path: str,
+    batches: BatchSource,
+    cfg: WarmStartConfig,
+    work: Path,
+    progress: Progress | None = None,
+    backend: dict[str, Any] | None = None,
+    out: Path | None = None,
+) -> str:
+    """`cfg.steps` steps of `cross_entropy` (token_mean) with AdamW on a cosine schedule (warmup
+    `cfg.warmup_steps`, floor 0.1 lr), each on `batches(renderer, rng)` (rng seeded with
+    `cfg.seed`); exports the model (see sft_on_demonstrations) and returns its directory.
+    `backend` adds BackendConfig keys (device, dtype, num_threads, ...)."""
     client = floe.connect(
         floe.BackendConfig(
+            **(backend or {}),
             model=model_path,
             state_dir=str(work / "states"),
             seed=cfg.seed,
-            num_threads=num_threads,
             reference={"enabled": False},
             optimizer={"lr": cfg.lr, "schedule": "cosine", "warmup_steps": cfg.warmup_steps,
                        "total_steps": cfg.steps, "min_lr_ratio": 0.1, "betas": (0.9, 0.98)},
         )
     )
-    renderer = Renderer(client.tokenizer())
-    rng = random.Random(cfg.seed)
-    for step in range(cfg.steps):
-        batch = demonstration_batch(family, renderer, cfg.batch_size, rng.randrange(2**31))
-        loss = client.forward_backward(batch, "cross_entropy", {"aggregation": "token_mean"}).metrics["loss"]
-        client.optim_step()
-        if progress:
-            progress(step + 1, cfg.steps, loss)
-    exported = client.export_hf(str(out or work / "warm"))
-    client.close()
-    return exported
+    try:
+        renderer = Renderer(client.tokenizer())
+        rng = random.Random(cfg.seed)
+        for step in range(cfg.steps):
+            batch = batches(renderer, rng)
+            loss = client.forward_backward(batch, "cross_entropy", {"aggregation": "token_mean"}).metrics["loss"]
+            client.optim_step()
+            if progress:
+                progress(step + 1, cfg.steps, loss)
+        return client.export_hf(str(out or work / "warm"))
+    finally:
+        client.close()

@@ -10,6 +10,9 @@ Contract of `generate` (every engine must meet it; tests/sampler checks the torc
   sampler and policy are consistent;
 * each sample's `tokens` exclude the prompt and include the stop token (or the token that
   completed a stop string), so a sample can be fed back as a `floe.Sample` unchanged;
+* with `params.top_logprobs` = k > 0, each sample's `top_logprobs` holds, per token, the k
+  most likely (token id, log-prob) of that same distribution, most likely first (the sampled
+  token's log-prob equals its entry when it is among them); asking for them changes no draw;
 * the same (prompts, n, params, seed) on the same weights gives the same tokens;
 * it is safe to call from several threads at once: an engine keeps no mutable state across
   a call (per-call generator and KV cache). Loading weights is never concurrent with

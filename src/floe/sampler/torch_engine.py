@@ -44,17 +44,41 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
+def logprob_temperature(params: SamplingParams) -> float:
+    """The temperature of the distribution a call's log-probs describe (what its samples
+    record): `params.temperature`, or 1.0 for greedy decoding (temperature 0)."""
+    return float(params.temperature) if params.temperature > 0 else 1.0
+
+
 def draw_tokens(
     logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of `logits` [rows, vocab] and its log-prob under the
-    temperature-scaled distribution before top-k/top-p (one multinomial draw from `gen`)."""
+    temperature-scaled distribution before top-k/top-p (one multinomial draw from `gen`).
+
+    Temperature 0 is greedy: the argmax of each row (top-k/top-p cannot exclude it, and
+    nothing is drawn from `gen`), with its log-prob under the temperature-1 distribution,
+    which the policy's `forward(temperature=1.0)` reproduces."""
+    if params.temperature == 0:
+        chosen = logits.argmax(dim=-1)
+        chosen_logp = torch.log_softmax(logits, dim=-1).gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
+        return chosen, chosen_logp
     scaled = logits / params.temperature
     logp_all = torch.log_softmax(scaled, dim=-1)
     probs = torch.softmax(filter_logits(scaled, params.top_k, params.top_p), dim=-1)
     chosen = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
     chosen_logp = logp_all.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
     return chosen, chosen_logp
+
+
+def top_logprobs(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The `params.top_logprobs` most likely tokens of each row of `logits` [rows, vocab]:
+    (log-probs, ids), each [rows, k], most likely first, under the distribution `draw_tokens`
+    reports log-probs of (temperature-scaled, before top-k/top-p); None when k is 0."""
+    if params.top_logprobs <= 0:
+        return None
+    logp_all = torch.log_softmax(logits / logprob_temperature(params), dim=-1)
+    return torch.topk(logp_all, min(params.top_logprobs, logp_all.shape[-1]), dim=-1)
 
 
 @dataclass
@@ -79,20 +103,26 @@ class _Rows:
     stop_ids: set[int]
     stop_strings: list[str]
     tail: int = field(init=False)  # decoded tokens checked for a stop string
+    tops: list[list[list[tuple[int, float]]]] | None = None  # per row, per token: top (id, log-prob)
 
     def __post_init__(self) -> None:
         self.tail = max((len(s) for s in self.stop_strings), default=0) + 8
 
     @classmethod
-    def start(cls, rows: int, stop_ids: set[int], stop_strings: list[str]) -> _Rows:
+    def start(cls, rows: int, stop_ids: set[int], stop_strings: list[str], with_tops: bool = False) -> _Rows:
         return cls([[] for _ in range(rows)], [[] for _ in range(rows)], ["length"] * rows,
-                   list(range(rows)), stop_ids, stop_strings)
+                   list(range(rows)), stop_ids, stop_strings, [[] for _ in range(rows)] if with_tops else None)
 
     def record(
-        self, chosen: torch.Tensor, chosen_logp: torch.Tensor, tokenizer: PreTrainedTokenizerBase
+        self, chosen: torch.Tensor, chosen_logp: torch.Tensor, tokenizer: PreTrainedTokenizerBase,
+        top: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> list[int]:
-        """Append each alive row's token and log-prob; returns the cache indices of the rows
-        that go on (a row stops at a stop token or at the token completing a stop string)."""
+        """Append each alive row's token and log-prob (and `top` alternatives, from
+        `top_logprobs`); returns the cache indices of the rows that go on (a row stops at a
+        stop token or at the token completing a stop string)."""
+        if top is not None and self.tops is not None:
+            for row, values, ids in zip(self.alive, top[0].tolist(), top[1].tolist()):
+                self.tops[row].append(list(zip(ids, values)))
         keep: list[int] = []
         for j, (row, tok, lp) in enumerate(zip(self.alive, chosen.tolist(), chosen_logp.tolist())):
             self.tokens[row].append(tok)
@@ -107,13 +137,15 @@ class _Rows:
                 keep.append(j)
         return keep
 
-    def pack(self, prompts: list[list[int]], n: int, version: int) -> list[SampledGroup]:
-        """One group per prompt; row `gi * n + k` is sample k of prompt gi."""
+    def pack(self, prompts: list[list[int]], n: int, version: int, temperature: float) -> list[SampledGroup]:
+        """One group per prompt; row `gi * n + k` is sample k of prompt gi; every sample
+        records `version` and the `temperature` of its log-probs."""
         return [
             SampledGroup(
                 prompt=list(p),
                 samples=[
-                    SampledSequence(self.tokens[r], self.logps[r], self.reasons[r], version)
+                    SampledSequence(self.tokens[r], self.logps[r], self.reasons[r], version, temperature,
+                                    self.tops[r] if self.tops is not None else None)
                     for r in range(gi * n, (gi + 1) * n)
                 ],
             )
@@ -186,14 +218,14 @@ class TorchEngine:
         self, prompts: list[list[int]], n: int, params: SamplingParams, gen: torch.Generator, version: int
     ) -> list[SampledGroup]:
         state = self._prefill(prompts, n, params.max_tokens)
-        rows = _Rows.start(len(prompts) * n, self._stop_ids(params), params.stop)
+        rows = _Rows.start(len(prompts) * n, self._stop_ids(params), params.stop, params.top_logprobs > 0)
         for step in range(params.max_tokens):
             chosen, chosen_logp = draw_tokens(state.logits, params, gen)
-            keep = rows.record(chosen, chosen_logp, self.tokenizer)
+            keep = rows.record(chosen, chosen_logp, self.tokenizer, top_logprobs(state.logits, params))
             if not keep or step == params.max_tokens - 1:
                 break
             self._decode_step(state, rows, chosen, keep)
-        return rows.pack(prompts, n, version)
+        return rows.pack(prompts, n, version, logprob_temperature(params))
 
     def _prefill(self, prompts: list[list[int]], n: int, max_tokens: int) -> _DecodeState:
         """Run the left-padded prompts once and repeat their cache n times (rows = prompts × n)."""

@@ -1,14 +1,15 @@
-"""The remote backend: `floe serve` (FastAPI + uvicorn) and the wire format shared with
-`floe.client.http`. Importing this package is cheap; the app and CLI live in submodules.
+"""The remote backend: `floe serve` (FastAPI + uvicorn). Importing this package is cheap; the app
+and CLI live in submodules. The wire format and remote errors shared with `floe.client.http`
+live in `floe.protocol`.
 
-  wire.py      binary wire format (safetensors + control JSON), pure functions, both sides
-  errors.py    error <-> HTTP status/JSON mapping, both sides
-  settings.py  ServerConfig (the `[server]` table and CLI flags)
-  auth.py      bearer-token check and the loopback rule
-  ordering.py  per-client sequencing and idempotent retries
-  metrics.py   Prometheus metrics
-  logs.py      JSON-lines logging
-  openai.py    OpenAI-compatible sampling endpoints
-  app.py       the FastAPI app
-  cli.py       `floe serve` (serve_main) and graceful shutdown
+  app.py         the FastAPI app: /api/{op} for every floe.protocol.ops.Op, health, info, metrics
+  errors.py      ApiError (the server's own HTTP refusals) and exception -> HTTP answer
+  settings.py    ServerConfig (the `[server]` table and CLI flags)
+  auth.py        bearer-token check and the loopback rule
+  ordering.py    per-client sequencing and idempotent retries
+  batching.py    window batching of concurrent OpenAI sampling requests into one Backend.sample
+  metrics.py     Prometheus metrics
+  logs.py        JSON-lines logging
+  protocols/     openai.py (+ openai_render.py): OpenAI-compatible /v1; tinker/: the Tinker protocol
+  cli.py         `floe serve` (serve_main) and graceful shutdown
 """

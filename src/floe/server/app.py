@@ -8,7 +8,9 @@
   GET  /info                 Info as JSON
   GET  /tokenizer            the tokenizer's saved files, so remote clients can rebuild it
   GET  /metrics              Prometheus
-  /v1/...                    OpenAI-compatible sampling (openai.py)
+  /api/v1/...                the Tinker protocol (protocols/tinker/), X-API-Key auth
+  /v1/...                    OpenAI-compatible sampling (protocols/openai.py); errors there
+                             in OpenAI's shape, so the openai SDK shows them
 
 Everything but /health and /ready needs the bearer token when one is set; the check happens
 before the body is read. Operations run in a worker thread, in per-client sequence order
@@ -41,8 +43,10 @@ from floe.protocol.wire import CLIENT_HEADER, REPLAYED_HEADER, SEQ_HEADER
 from floe.server.auth import check_bearer
 from floe.server.errors import ApiError, to_api_error
 from floe.server.metrics import Metrics
-from floe.server.openai import openai_router
 from floe.server.ordering import Ledger, Reply
+from floe.server.protocols.openai import PREFIX as OPENAI_PREFIX
+from floe.server.protocols.openai import default_model_id, openai_error_response, openai_router
+from floe.server.protocols.tinker import tinker_router
 from floe.server.settings import ServerConfig
 
 log = logging.getLogger("floe.server")
@@ -60,7 +64,7 @@ class ServerState:
         self.metrics = Metrics()
         self.ledger = Ledger(config.result_window, config.max_clients, config.sequence_timeout_s)
         self.draining = False
-        self.model_name = config.served_model_name or backend.config.model
+        self.model_name = config.served_model_name or default_model_id(backend.config.model)
         self.metrics.observe_state(backend.info())
 
     def execute(self, op: str, body: bytes) -> Reply:
@@ -100,36 +104,42 @@ def create_app(backend: Backend, config: ServerConfig) -> FastAPI:
 
     auth = [Depends(authorized)]
 
+    def respond(request: Request, error: ApiError) -> JSONResponse:
+        """floe's error body, or OpenAI's under /v1."""
+        if request.url.path == OPENAI_PREFIX or request.url.path.startswith(OPENAI_PREFIX + "/"):
+            return openai_error_response(error)
+        return error_response(error)
+
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc)
+        return respond(request, exc)
 
     @app.exception_handler(FloeError)
     async def _floe_error(request: Request, exc: FloeError) -> JSONResponse:
-        return error_response(to_api_error(exc))
+        return respond(request, to_api_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return error_response(ApiError(exc.status_code, code, str(exc.detail)))
+        return respond(request, ApiError(exc.status_code, code, str(exc.detail)))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         field = ".".join(str(p) for p in first.get("loc", ())) or None
-        return error_response(ApiError(422, "invalid_input", str(first.get("msg", "invalid request")), field))
+        return respond(request, ApiError(422, "invalid_input", str(first.get("msg", "invalid request")), field))
 
     @app.middleware("http")
     async def observe(request: Request, call_next: Any) -> Response:
         start = time.perf_counter()
         if state.draining and request.url.path != "/health":
-            response: Response = error_response(ApiError(503, "shutting_down", "the server is shutting down; retry elsewhere or later"))
+            response: Response = respond(request, ApiError(503, "shutting_down", "the server is shutting down; retry elsewhere or later"))
         else:
             try:
                 response = await call_next(request)
             except Exception as exc:  # answered as a 500, logged
                 log.exception("unhandled error")
-                response = error_response(to_api_error(exc))
+                response = respond(request, to_api_error(exc))
         route = getattr(request.scope.get("route"), "path", "unmatched")
         if route == "/api/{op}" and request.path_params.get("op") in OPS:
             route = request.url.path  # one label per operation; unknown names stay grouped
@@ -190,6 +200,7 @@ def create_app(backend: Backend, config: ServerConfig) -> FastAPI:
         return Response(reply.body, status_code=reply.status, media_type=reply.media_type, headers=headers)
 
     app.include_router(openai_router(state), dependencies=auth)
+    app.include_router(tinker_router(state))  # own auth: X-API-Key (protocols/tinker/routes.py)
     return app
 
 

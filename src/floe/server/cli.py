@@ -59,10 +59,14 @@ def parse_serve_args(argv: list[str]) -> tuple[list[str], dict[str, Any], argpar
 def backend_from(data: dict[str, Any]) -> BackendConfig:
     """The BackendConfig a merged serve config describes (see the module docstring)."""
     if "model" in data and isinstance(data["model"], dict):
-        from floe.rl.config import Recipe  # noqa: PLC0415 - only recipes need the RL package
+        from floe.rl.config import parse_recipe  # noqa: PLC0415 - only recipes need the RL package
+        from floe.rl.preflight import check_recipe  # noqa: PLC0415
         from floe.rl.warmstart import prepare_model  # noqa: PLC0415
 
-        recipe = parse_config(Recipe, data, "recipe")
+        recipe = parse_recipe(data)
+        if recipe.url is not None:
+            raise InvalidInput("recipe.backend.url", "floe serve runs the backend itself; drop backend.url")
+        check_recipe(recipe)  # device, model source, data rows: before the model is built
         return recipe.backend_config(prepare_model(recipe))
     if "backend" in data:
         extra = sorted(set(data) - {"backend"})
@@ -76,13 +80,24 @@ def load_serve_config(
     files: list[str], overrides: dict[str, Any], args: argparse.Namespace
 ) -> tuple[BackendConfig, ServerConfig]:
     """(backend config, server config) from files, overlays, overrides and flags."""
-    data = load_layers(files, overrides)
+    data = _merge(files, overrides)
     server_data: dict[str, Any] = data.pop("server", {}) if isinstance(data.get("server"), dict) else {}
     backend = backend_from(data)
     flags = {"host": args.host, "port": args.port, "token": args.token or os.environ.get("FLOE_TOKEN"),
              "max_request_mb": args.max_request_mb, "log_level": args.log_level}
     server = parse_config(ServerConfig, {**server_data, **{k: v for k, v in flags.items() if v is not None}}, "server")
     return backend, server
+
+
+def _merge(files: list[str], overrides: dict[str, Any]) -> dict[str, Any]:
+    """The merged config; recipes (a [model] table in some layer) merge as `floe train` merges
+    them, so a later `model.path` replaces an earlier `[model.tiny]`."""
+    data = load_layers(files, overrides)
+    if isinstance(data.get("model"), dict):
+        from floe.rl.config import merge_recipe_layers  # noqa: PLC0415 - only recipes need the RL package
+
+        return merge_recipe_layers(files, overrides)
+    return data
 
 
 def latest_state(state_dir: Path) -> str | None:
@@ -99,7 +114,7 @@ def serve_main(argv: list[str]) -> int:
         if args.resume_from and not (Path(backend_config.state_dir) / args.resume_from / "state.json").is_file():
             raise InvalidInput("--resume-from", f"no saved state {args.resume_from!r} in {backend_config.state_dir}")
     except InvalidInput as e:
-        print(f"floe serve: {e}", file=sys.stderr)
+        print(f"floe serve: error: {e}", file=sys.stderr)
         return 2
 
     from floe.server.logs import configure_logging  # noqa: PLC0415 - heavy imports only once we will serve
@@ -117,7 +132,7 @@ def serve_main(argv: list[str]) -> int:
         elif args.resume_latest:
             log.info("no saved state to resume; starting fresh", extra={"state_dir": backend_config.state_dir})
     except FloeError as e:
-        print(f"floe serve: {e}", file=sys.stderr)
+        print(f"floe serve: error: {e}", file=sys.stderr)
         return 1
     app = create_app(backend, server_config)
     uv_config = uvicorn.Config(

@@ -1,0 +1,566 @@
+"""Multi-tenant LoRA training runs on one shared base model (what the Tinker protocol serves).
+
+`RunManager` owns one frozen copy of the served base model (`floe.models.lora.AdapterHost`,
+loaded on first use) and any number of runs. A run is a LoRA adapter on that base plus its own
+`PolicyZone` (AdamW state, step) over the adapter's parameters only, so training math is floe's:
+`forward_backward` resolves the loss in `floe.compute.losses` and scores through
+`floe.backend.scoring`; nothing is reimplemented here.
+
+Why one peft model with several adapters (and not one PeftModel per run): peft injects its
+LoRA layers into the base module in place, so two PeftModels cannot wrap the same base
+module; named adapters on one PeftModel are exactly "one base, many adapters". The price is
+that only one adapter is active at a time, so every model use (any run's training, any
+sampling) holds `AdapterHost.lock` and activates its adapter first: runs interleave per call
+and never see each other's weights.
+
+Samplers are frozen adapters: `snapshot(run)` copies the run's adapter at its current version
+into a new adapter (re-used while the run's version is unchanged); `load_sampler(dir)` loads a
+saved one; `BASE_SAMPLER` samples the base model with no adapter. Sampling runs floe's torch
+engine (`floe.sampler.torch_engine.TorchEngine`) on the adapted model, and `prompt_logprobs`
+runs floe's scoring on it.
+
+Full fine-tune runs (`create_run(run_id, None)`, only when the manager was built with
+`full_finetune=True`, the server's `[server] tinker_full_finetune`): the run owns a copy of the
+base model, loaded from disk, and its `PolicyZone` trains every weight with its own AdamW state
+(fp32 masters for a bf16 model, as the native policy). At most one exists at a time (a second
+is a StateError naming the setting): a full run costs a whole model plus AdamW moments. Its
+samplers are frozen copies of the whole model (`FrozenModel`, each with its own torch engine),
+fewer of them kept than adapter snapshots (MAX_FULL_SNAPSHOTS_PER_RUN per run, and
+MAX_LOADED_FULL_SAMPLERS loaded from disk, least recently used dropped first); a sampler whose
+copy was dropped answers a StateError. Its sampler weights on disk are an ordinary Hugging Face
+model directory (weights, config, tokenizer). A full run uses its own lock, not the host's.
+
+Versions: a run's version counts its optimizer steps (a loaded run continues its saved count);
+every sample carries the version of the sampler's weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from floe.atomic import atomic_directory, recover
+from floe.backend.policy import PolicyZone
+from floe.backend.scoring import score_batch
+from floe.backend.state import ZoneState, read_state, write_state
+from floe.backend.validation import validate_batch, validate_prompts
+from floe.compute.losses import resolve_loss
+from floe.config import BackendConfig, OptimizerConfig
+from floe.errors import InvalidInput, StateError
+from floe.models import load_model
+from floe.models.lora import AdapterHost, LoraSpec, load_tensors
+from floe.sampler.torch_engine import TorchEngine
+from floe.types import (
+    Batch,
+    ForwardBackwardResult,
+    ForwardResult,
+    Group,
+    OptimStepResult,
+    Sample,
+    SampledGroup,
+    SamplingParams,
+)
+
+BASE_SAMPLER = "base"
+RUN_META = "run.json"
+SAMPLER_META = "floe_lora.json"
+MAX_SNAPSHOTS_PER_RUN = 8  # unnamed sampler snapshots kept per run (oldest dropped first)
+MAX_FULL_SNAPSHOTS_PER_RUN = 2  # the same for a full fine-tune run (each is a whole model)
+MAX_LOADED_FULL_SAMPLERS = 2  # full models loaded from sampler weights on disk (LRU)
+FULL_FINETUNE_SETTING = "[server] tinker_full_finetune"
+
+
+@dataclass(frozen=True)
+class AdamStep:
+    """One optimizer step's AdamW hyper-parameters (Tinker's AdamParams). grad_clip_norm 0 =
+    no clipping; weight decay is decoupled (torch.optim.AdamW)."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+    def to_config(self) -> OptimizerConfig:
+        """As floe's optimizer config (a constant schedule at this step's rate); InvalidInput
+        naming the `adam_params` field that is out of range."""
+        checks = (("learning_rate", self.learning_rate > 0), ("beta1", 0 <= self.beta1 < 1),
+                  ("beta2", 0 <= self.beta2 < 1), ("eps", self.eps > 0), ("weight_decay", self.weight_decay >= 0),
+                  ("grad_clip_norm", self.grad_clip_norm >= 0))
+        for name, ok in checks:
+            if not ok:
+                raise InvalidInput(f"adam_params.{name}", f"out of range: {getattr(self, name)!r}")
+        return OptimizerConfig(
+            lr=self.learning_rate, betas=(self.beta1, self.beta2), eps=self.eps, weight_decay=self.weight_decay,
+            grad_clip=self.grad_clip_norm if self.grad_clip_norm > 0 else None, schedule="constant",
+        )
+
+
+@dataclass
+class Run:
+    """One training run: a LoRA run (its adapter, named `adapter` on the host, shaped by `spec`)
+    or a full fine-tune run (`spec` and `adapter` None: `zone.model` is its own model copy),
+    its zone and metadata."""
+
+    run_id: str
+    adapter: str | None
+    spec: LoraSpec | None
+    zone: PolicyZone
+    user_metadata: dict[str, Any] = field(default_factory=dict)
+    snapshots: dict[int, str] = field(default_factory=dict)  # version -> frozen weights name
+    lock: threading.RLock = field(default_factory=threading.RLock)  # a full run's (LoRA: the host's)
+
+    @property
+    def version(self) -> int:
+        return self.zone.step
+
+    @property
+    def full(self) -> bool:
+        return self.spec is None
+
+
+@dataclass(frozen=True)
+class SamplerInfo:
+    """A sampler: the name of its frozen weights (None = the base model) and their version.
+    `full` False: `weights` is an adapter on the host; True: a `FrozenModel` of the manager."""
+
+    weights: str | None
+    version: int
+    run_id: str | None
+    full: bool = False
+
+
+@dataclass(frozen=True)
+class FrozenModel:
+    """A frozen whole model a full-run sampler uses, with the torch engine sampling it."""
+
+    model: PreTrainedModel
+    engine: TorchEngine
+
+
+class RunManager:
+    """Runs and samplers on one base model; thread-safe (see the module docstring)."""
+
+    def __init__(self, config: BackendConfig, tokenizer: PreTrainedTokenizerBase, root: Path, full_finetune: bool = False):
+        self.config = config
+        self.full_finetune = full_finetune
+        self.tokenizer = tokenizer
+        self.root = root
+        self.compute = config.compute.model_copy(update={"gradient_checkpointing": False})
+        self.max_batch_sequences = getattr(config.sampler.engine, "max_batch_sequences", 256)
+        self.runs: dict[str, Run] = {}
+        self.samplers: dict[str, SamplerInfo] = {}
+        self._host: AdapterHost | None = None
+        self._engine: TorchEngine | None = None
+        self._base_config: PretrainedConfig | None = None
+        self.frozen: dict[str, FrozenModel] = {}  # full-run samplers' models by name
+        self._loaded_full: OrderedDict[tuple[str, int], str] = OrderedDict()  # (dir, mtime) -> frozen name, LRU
+        self._full_owner: str | None = None  # the full run's id (or the one being created)
+        self._load_lock = threading.Lock()
+        self._names = 0
+        self._seed_gen = torch.Generator().manual_seed(config.seed)
+
+    # -- the shared base ----------------------------------------------------------------------
+
+    @property
+    def host(self) -> AdapterHost:
+        with self._load_lock:
+            if self._host is None:
+                base = self._load_base()
+                base.eval()
+                self._host = AdapterHost(base, self.config.model)
+            return self._host
+
+    @property
+    def base_config(self) -> PretrainedConfig:
+        """The served model's config (read from its directory, without loading weights)."""
+        if self._base_config is None:
+            self._base_config = AutoConfig.from_pretrained(self.config.model, trust_remote_code=self.config.trust_remote_code)
+        return self._base_config
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.base_config.vocab_size)
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.base_config, "max_position_embeddings", 2**31))
+
+    def _load_base(self) -> PreTrainedModel:
+        cfg = self.config
+        return load_model(cfg.model, cfg.dtype, cfg.device, cfg.trust_remote_code, cfg.attn_implementation)
+
+    def _engine_for(self) -> TorchEngine:
+        if self._engine is None:
+            self._engine = TorchEngine(self.host.sampling_view(), self.tokenizer, self.max_batch_sequences)  # type: ignore[arg-type]
+        return self._engine
+
+    def _new_name(self, prefix: str) -> str:
+        with self._load_lock:
+            self._names += 1
+            return f"{prefix}_{self._names}"
+
+    def _run(self, run_id: str) -> Run:
+        run = self.runs.get(run_id)
+        if run is None:
+            raise InvalidInput("model_id", f"no training run {run_id!r} on this server")
+        return run
+
+    # -- runs -----------------------------------------------------------------------------------
+
+    def create_run(self, run_id: str, spec: LoraSpec | None, user_metadata: dict[str, Any] | None = None) -> Run:
+        """A new run: with a LoraSpec, a fresh adapter (B = 0: it starts as the base model);
+        with None, a full fine-tune run on its own copy of the base model (StateError naming
+        FULL_FINETUNE_SETTING when it is off or another full run exists)."""
+        if spec is None:
+            return self._create_full_run(run_id, user_metadata)
+        spec.check()
+        if run_id in self.runs:
+            raise InvalidInput("model_id", f"a run {run_id!r} exists already")
+        host = self.host
+        adapter = self._new_name("run")
+        with host.lock:
+            host.add(adapter, spec, trainable=True)
+            host.activate(adapter)
+            zone = PolicyZone(host.view(adapter), self.config.optimizer, self.compute)  # type: ignore[arg-type]
+            run = Run(run_id, adapter, spec, zone, dict(user_metadata or {}))
+            self.runs[run_id] = run
+        return run
+
+    def _create_full_run(self, run_id: str, user_metadata: dict[str, Any] | None) -> Run:
+        if not self.full_finetune:
+            raise StateError(f"{FULL_FINETUNE_SETTING} is off: this server trains LoRA runs only; set it true for a "
+                             "full fine-tune run")
+        with self._load_lock:
+            if run_id in self.runs:
+                raise InvalidInput("model_id", f"a run {run_id!r} exists already")
+            if self._full_owner is not None:
+                raise StateError(
+                    f"{FULL_FINETUNE_SETTING}: this server trains one full fine-tune run at a time and run "
+                    f"{self._full_owner!r} holds it; finish that run's session (or load its checkpoint into it) first"
+                )
+            self._full_owner = run_id
+        try:
+            zone = PolicyZone(self._load_base(), self.config.optimizer, self.config.compute)
+        except BaseException:
+            self._full_owner = None
+            raise
+        run = Run(run_id, None, None, zone, dict(user_metadata or {}))
+        self.runs[run_id] = run
+        return run
+
+    @contextmanager
+    def _training(self, run: Run) -> Iterator[None]:
+        """The run's model ready for its zone: a full run's own lock, or the host's lock with
+        the run's adapter active."""
+        if run.full:
+            with run.lock:
+                yield
+            return
+        with self.host.lock:
+            self.host.activate(run.adapter)  # type: ignore[arg-type]
+            yield
+
+    def forward(self, run_id: str, batch: Batch) -> ForwardResult:
+        """Per-token log-probs of `batch` under the run's current weights (temperature 1)."""
+        run = self._run(run_id)
+        validate_batch(batch, self.vocab_size, self.max_context)
+        with self._training(run):
+            return run.zone.forward(batch, 1.0, False)
+
+    def forward_backward(
+        self, run_id: str, batch: Batch, loss: str, loss_config: dict[str, Any] | None
+    ) -> ForwardBackwardResult:
+        """floe's forward_backward on the run's adapter; gradients add up until optim_step."""
+        run = self._run(run_id)
+        spec = resolve_loss(loss, loss_config)
+        validate_batch(batch, self.vocab_size, self.max_context, spec)
+        with self._training(run):
+            return run.zone.forward_backward(batch, spec, 1.0)
+
+    def optim_step(self, run_id: str, adam: AdamStep) -> OptimStepResult:
+        """Apply the accumulated gradients with this call's AdamW hyper-parameters."""
+        run = self._run(run_id)
+        cfg = adam.to_config()
+        with self._training(run):
+            zone = run.zone
+            zone.optimizer_config = cfg
+            for group in zone.optimizer.param_groups:
+                group["betas"], group["eps"], group["weight_decay"] = cfg.betas, cfg.eps, cfg.weight_decay
+            return zone.optim_step()
+
+    def close_run(self, run_id: str) -> None:
+        """Forget a run and free its adapter and its snapshots (its checkpoints stay on disk)."""
+        run = self.runs.pop(run_id, None)
+        if run is None:
+            return
+        if run.full:
+            with run.lock:
+                for name in run.snapshots.values():
+                    self.frozen.pop(name, None)
+                run.snapshots.clear()
+            with self._load_lock:
+                if self._full_owner == run_id:
+                    self._full_owner = None
+            return
+        with self.host.lock:
+            self.host.remove(run.adapter)  # type: ignore[arg-type]
+            for adapter in run.snapshots.values():
+                self.host.remove(adapter)
+
+    def release_sampler(self, sampler: SamplerInfo) -> None:
+        """Free a sampler loaded from disk (`load_sampler`); snapshots belong to their run, and
+        full models loaded from disk are kept for re-use (a few, least recently used dropped)."""
+        if not sampler.full and sampler.weights is not None and sampler.weights.startswith("saved_"):
+            with self.host.lock:
+                self.host.remove(sampler.weights)
+
+    # -- state on disk --------------------------------------------------------------------------
+
+    def save_state(self, run_id: str, directory: Path) -> None:
+        """Trained weights (the adapter, or every weight of a full run), AdamW state and step of
+        the run (atomically; replaces `directory`)."""
+        run = self._run(run_id)
+        with self._training(run):
+            part = run.zone.save_state()
+        kind = {"full": True} if run.spec is None else {"lora": run.spec.to_json()}
+        meta = ZoneState({}, {"run": {**kind, "user_metadata": run.user_metadata}})
+        write_state(directory, [part, meta], self.config.model)
+
+    @staticmethod
+    def _read_run_state(directory: Path) -> tuple[ZoneState, LoraSpec | None, dict[str, Any]]:
+        """A saved run state, its LoraSpec (None: a full run's) and its user metadata;
+        StateError when `directory` holds no training-run state."""
+        state = read_state(directory)
+        saved = state.meta.get("run")
+        if not isinstance(saved, dict) or not ("lora" in saved or saved.get("full") is True):
+            raise StateError(f"load_weights: {directory.name} is not a training-run state")
+        spec = None if saved.get("full") is True else LoraSpec.from_json(saved["lora"])
+        return state, spec, dict(saved.get("user_metadata") or {})
+
+    def load_state(self, run_id: str, directory: Path, with_optimizer: bool) -> Run:
+        """A new run `run_id` from a saved state: its weights (adapter, or the full model), step
+        and (when `with_optimizer`) AdamW moments. StateError when there is no such state or it
+        does not fit the base (or it is a full run's and FULL_FINETUNE_SETTING is off)."""
+        state, spec, user_metadata = self._read_run_state(directory)
+        return self._new_run_from(run_id, state, spec, user_metadata, with_optimizer)
+
+    def _new_run_from(
+        self, run_id: str, state: ZoneState, spec: LoraSpec | None, user_metadata: dict[str, Any], with_optimizer: bool
+    ) -> Run:
+        run = self.create_run(run_id, spec, user_metadata)
+        try:
+            with self._training(run):
+                self._apply_state(run, state, with_optimizer)
+        except BaseException:
+            self.close_run(run_id)
+            raise
+        return run
+
+    @staticmethod
+    def _apply_state(run: Run, state: ZoneState, with_optimizer: bool) -> None:
+        """Load `state` into the run's zone (hold its lock); without `with_optimizer` the AdamW
+        moments start fresh. Nothing changes when the state does not fit."""
+        if not with_optimizer:  # a fresh AdamW: no moments, the zone's own hyper-parameters
+            state.tensors["optimizer.safetensors"] = {}
+            state.meta.update(optimizer_scalars={}, param_groups=run.zone.optimizer.state_dict()["param_groups"])
+        run.zone.check_state(state)
+        run.zone.load_state(state)
+
+    def reload(self, run_id: str, directory: Path, with_optimizer: bool) -> Run:
+        """Replace run `run_id` by a saved state of the same kind (its weights, step, and AdamW
+        moments when `with_optimizer`); the run is unchanged when loading fails. A full run
+        loads in place (there is room for one full model); its sampler snapshots are dropped."""
+        run = self._run(run_id)
+        state, spec, user_metadata = self._read_run_state(directory)
+        if (spec is None) != run.full:
+            saved_kind, this_kind = ("a full fine-tune", "a LoRA") if spec is None else ("a LoRA", "a full fine-tune")
+            raise StateError(f"load_weights: {directory.name} is {saved_kind} run's state; this run is {this_kind} run")
+        if run.full:
+            with run.lock:
+                self._apply_state(run, state, with_optimizer)
+                for name in run.snapshots.values():
+                    self.frozen.pop(name, None)
+                run.snapshots.clear()
+            return run
+        staging = f"{run_id}#loading"
+        loaded = self._new_run_from(staging, state, spec, user_metadata, with_optimizer)
+        self.close_run(run_id)
+        self.runs.pop(staging)
+        loaded.run_id = run_id
+        self.runs[run_id] = loaded
+        return loaded
+
+    def save_sampler_weights(self, run_id: str, directory: Path) -> int:
+        """The run's weights for sampling; returns the version saved. A LoRA run's: a peft
+        adapter directory (loads with PeftModel.from_pretrained on the base); a full run's: a
+        Hugging Face model directory (weights, config, tokenizer)."""
+        run = self._run(run_id)
+        with atomic_directory(directory, replace=True) as tmp:
+            with self._training(run):
+                if run.spec is None:
+                    run.zone.export_hf(tmp)
+                    self.tokenizer.save_pretrained(tmp)
+                else:
+                    self.host.save_adapter(run.adapter, tmp)  # type: ignore[arg-type]
+                version = run.version
+            kind = {"full": True} if run.spec is None else {"lora": run.spec.to_json()}
+            (tmp / SAMPLER_META).write_text(json.dumps({**kind, "version": version, "run_id": run_id}, indent=2))
+        return version
+
+    def export_hf(self, run_id: str, directory: Path) -> None:
+        """Same files as `save_sampler_weights`: a peft adapter directory, or (full run) a
+        Hugging Face model directory."""
+        self.save_sampler_weights(run_id, directory)
+
+    # -- samplers -----------------------------------------------------------------------------
+
+    def _freeze(self, model: PreTrainedModel) -> str:
+        """Register a frozen whole model (and its engine) under a new name."""
+        model.eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        name = self._new_name("full")
+        self.frozen[name] = FrozenModel(model, TorchEngine(model, self.tokenizer, self.max_batch_sequences))
+        return name
+
+    def snapshot(self, run_id: str) -> SamplerInfo:
+        """A frozen copy of the run's weights at its current version (shared by every sampler
+        made while the version is unchanged)."""
+        run = self._run(run_id)
+        if run.full:
+            with run.lock:
+                version = run.version
+                name = run.snapshots.get(version)
+                if name is None:
+                    name = self._freeze(copy.deepcopy(run.zone.model))
+                    run.snapshots[version] = name
+                    while len(run.snapshots) > MAX_FULL_SNAPSHOTS_PER_RUN:
+                        self.frozen.pop(run.snapshots.pop(min(run.snapshots)), None)
+            return SamplerInfo(name, version, run_id, full=True)
+        with self.host.lock:
+            version = run.version
+            adapter = run.snapshots.get(version)
+            if adapter is None:
+                adapter = self._new_name("snap")
+                self.host.copy(run.adapter, adapter)  # type: ignore[arg-type]
+                run.snapshots[version] = adapter
+                while len(run.snapshots) > MAX_SNAPSHOTS_PER_RUN:
+                    oldest = min(run.snapshots)
+                    self.host.remove(run.snapshots.pop(oldest))
+        return SamplerInfo(adapter, version, run_id)
+
+    def load_sampler(self, directory: Path) -> SamplerInfo:
+        """Frozen weights from a directory written by `save_sampler_weights`."""
+        recover(directory)
+        meta_path = directory / SAMPLER_META
+        if not meta_path.is_file():
+            raise StateError(f"no sampler weights at {directory}")
+        meta = json.loads(meta_path.read_text())
+        if meta.get("full") is True:
+            return SamplerInfo(self._load_full_sampler(directory, meta_path.stat().st_mtime_ns), int(meta["version"]),
+                               meta.get("run_id"), full=True)
+        tensors = load_file(str(directory / "adapter_model.safetensors"))
+        adapter = self._new_name("saved")
+        host = self.host
+        with host.lock:
+            host.add(adapter, LoraSpec.from_json(meta["lora"]), trainable=False)
+            try:
+                load_tensors(host.named_parameters(adapter), tensors)
+            except BaseException:
+                host.remove(adapter)
+                raise
+        return SamplerInfo(adapter, int(meta["version"]), meta.get("run_id"))
+
+    def _load_full_sampler(self, directory: Path, stamp: int) -> str:
+        """The frozen model of a full run's sampler directory, loaded once while it is among the
+        MAX_LOADED_FULL_SAMPLERS most recently used (a rewritten directory loads again)."""
+        key = (str(directory.resolve()), stamp)
+        with self._load_lock:
+            name = self._loaded_full.get(key)
+            if name is not None and name in self.frozen:
+                self._loaded_full.move_to_end(key)
+                return name
+        cfg = self.config
+        model = load_model(str(directory), cfg.dtype, cfg.device, cfg.trust_remote_code, cfg.attn_implementation)
+        base = self.base_config
+        mismatch = [k for k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")
+                    if getattr(model.config, k, None) != getattr(base, k, None)]
+        if mismatch:
+            raise StateError(f"the sampler weights at {directory} are not a fine-tune of this server's model "
+                             f"(config differs in {mismatch})")
+        name = self._freeze(model)
+        with self._load_lock:
+            self._loaded_full[key] = name
+            while len(self._loaded_full) > MAX_LOADED_FULL_SAMPLERS:
+                self.frozen.pop(self._loaded_full.popitem(last=False)[1], None)
+        return name
+
+    def base_sampler(self) -> SamplerInfo:
+        self.host  # noqa: B018 - loads the base model
+        return SamplerInfo(None, 0, None)
+
+    def _frozen_model(self, sampler: SamplerInfo) -> FrozenModel:
+        frozen = self.frozen.get(sampler.weights)  # type: ignore[arg-type]
+        if frozen is None:
+            raise StateError(_RELEASED)
+        return frozen
+
+    @contextmanager
+    def _on(self, sampler: SamplerInfo) -> Iterator[None]:
+        """The sampler's adapter active (or none, for the base) under the host lock."""
+        host = self.host
+        with host.lock:
+            if sampler.weights is None:
+                with host.base():
+                    yield
+                return
+            if sampler.weights not in host.specs:
+                raise StateError(_RELEASED)
+            host.activate(sampler.weights)
+            yield
+
+    def sample(self, sampler: SamplerInfo, prompt: list[int], n: int, params: SamplingParams) -> SampledGroup:
+        """n samples of `prompt` with the sampler's weights, stamped with its version."""
+        validate_prompts([prompt], n, params, self.vocab_size, self.max_context)
+        frozen = self._frozen_model(sampler) if sampler.full else None
+        engine = frozen.engine if frozen is not None else self._engine_for()
+        engine.validate([prompt], n, params)
+        seed = params.seed
+        if seed is None:
+            with self._load_lock:
+                seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
+        if frozen is not None:  # a frozen whole model: nothing to switch, nothing to lock
+            return engine.generate([prompt], n, params, seed, sampler.version)[0]
+        with self._on(sampler):
+            return engine.generate([prompt], n, params, seed, sampler.version)[0]
+
+    def prompt_logprobs(self, sampler: SamplerInfo, prompt: list[int]) -> list[float]:
+        """log p(prompt[i] | prompt[:i]) for i >= 1 (len(prompt) - 1 values), by floe's scoring."""
+        if len(prompt) < 2:
+            return []
+        batch = Batch([Group(prompt[:1], [Sample(tokens=prompt[1:])])])
+        validate_batch(batch, self.vocab_size, self.max_context)
+        if sampler.full:
+            model = self._frozen_model(sampler).model
+            with torch.no_grad():
+                return score_batch(model, batch, 1.0, False, self.compute).logprobs[0][0]
+        with self._on(sampler), torch.no_grad():
+            model = self.host.view(sampler.weights) if sampler.weights is not None else self.host.model
+            return score_batch(model, batch, 1.0, False, self.compute).logprobs[0][0]  # type: ignore[arg-type]
+
+
+_RELEASED = ("this sampler's weights were released (its run closed, or too many newer snapshots of it); "
+             "save weights for a sampler again")

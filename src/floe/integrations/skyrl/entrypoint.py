@@ -1,0 +1,238 @@
+"""The one-line switch: SkyRL's stock ``main_base`` command with its models in a floe backend.
+
+    python -m skyrl.train.entrypoints.main_base trainer.override_entrypoint=floe.integrations.skyrl.entrypoint ...
+
+SkyRL's ``main_base`` sees ``trainer.override_entrypoint`` and calls `main` here, which parses
+the same command line into `FloeSkyRLConfig` (SkyRL's config plus an optional ``floe`` block),
+runs SkyRL's own ``validate_cfg`` and ``initialize_ray``, checks that floe can honour every
+loss / optimizer key (mapping.py; an InvalidInput names the key otherwise), and runs `FloeExp`
+in one Ray task as ``main_base`` does. SkyRL's dataset, generator, skyrl-gym environments,
+advantage estimators, loss reduction, metrics and trainer loop run unchanged; the policy,
+reference and sampler are floe's.
+
+The backend: embedded by default, built from ``trainer.policy.model.path`` (reference from
+``trainer.ref.model.path``, optimizer from ``trainer.policy.optimizer_config``, seed from
+``trainer.seed``); or a running ``floe serve`` with ``floe.url=http://host:port`` and
+``floe.token=...`` (default: $FLOE_TOKEN), whose own configuration then applies. At the end
+the number of each floe call made is written to ``<trainer.export_path>/floe_calls.json``, and
+every metrics record SkyRL logs is also appended, at full precision, to
+``<trainer.export_path>/floe_metrics.jsonl``.
+"""
+
+import importlib
+import json
+import os
+import sys
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+from skyrl.train.config import SkyRLTrainConfig
+from skyrl.train.config.config import BaseConfig
+from skyrl.train.dataset import PromptDataset
+from skyrl.train.entrypoints.main_base import BasePPOExp
+from skyrl.train.utils import validate_cfg
+from skyrl.train.utils.tracking import Tracking
+from skyrl.train.utils.utils import initialize_ray
+
+import floe
+from floe.atomic import atomic_write_text
+from floe.errors import InvalidInput
+from floe.integrations.skyrl.dispatch import FloeRayPPOTrainer
+from floe.integrations.skyrl.inference import FloeInferenceClient
+from floe.integrations.skyrl.mapping import SkyRLLoss, map_loss, map_optimizer
+
+OVERRIDE_KEY = "trainer.override_entrypoint="
+CALLS_FILE = "floe_calls.json"
+METRICS_FILE = "floe_metrics.jsonl"
+
+
+@dataclass
+class FloeBlock(BaseConfig):
+    """``floe.*`` keys on the SkyRL command line (all optional)."""
+
+    url: str | None = None
+    """A ``floe serve`` address; None = an embedded backend in the training process."""
+    token: str | None = None
+    """The server's bearer token (default: $FLOE_TOKEN)."""
+    dtype: str = "float32"
+    """Embedded backend compute dtype: float32 or bfloat16 (fp32 master weights)."""
+    device: str = "cpu"
+    """Embedded backend device, e.g. cpu or cuda."""
+    num_threads: int | None = None
+    """torch threads of the embedded backend; None keeps torch's default."""
+    state_dir: str | None = None
+    """Embedded backend state folder; default <trainer.ckpt_path>/floe_states."""
+    import_modules: list[str] = field(default_factory=list)
+    """Modules imported in the training process before anything is built, e.g. ones that
+    register custom skyrl-gym environments (SkyRL's examples do that in their own main)."""
+
+
+@dataclass
+class FloeSkyRLConfig(SkyRLTrainConfig):
+    """SkyRL's config plus the ``floe`` block."""
+
+    floe: FloeBlock = field(default_factory=FloeBlock)
+
+
+def check_supported(cfg: SkyRLTrainConfig) -> SkyRLLoss:
+    """Every SkyRL setting the plugin cannot honour, refused by name before anything starts.
+
+    Returns the floe loss for ``trainer.algorithm``. Raises InvalidInput naming the key.
+    """
+    trainer = cfg.trainer
+    if trainer.fully_async.enabled:
+        raise InvalidInput("trainer.fully_async.enabled", "floe's SkyRL plugin runs SkyRL's synchronous trainer")
+    if trainer.update_ref_every_epoch:
+        raise InvalidInput("trainer.update_ref_every_epoch", "floe's reference zone is fixed for the run")
+    if trainer.policy.model.lora.rank > 0:
+        raise InvalidInput("trainer.policy.model.lora.rank", "LoRA is not supported by floe's SkyRL plugin")
+    if cfg.generator.vision_language_generator:
+        raise InvalidInput("generator.vision_language_generator", "floe is text-only")
+    loss = map_loss(asdict(trainer.algorithm), max_tokens_per_microbatch=trainer.max_tokens_per_microbatch,
+                    has_critic=bool(trainer.critic.model.path))
+    map_optimizer(asdict(trainer.policy.optimizer_config), total_steps=_total_optimizer_steps(cfg))
+    return loss
+
+
+def _total_optimizer_steps(cfg: SkyRLTrainConfig) -> int | None:
+    t = cfg.trainer
+    if t.max_training_steps is None:
+        return None
+    return t.max_training_steps * (t.train_batch_size // t.policy_mini_batch_size) * t.update_epochs_per_batch
+
+
+def connect_floe(cfg: FloeSkyRLConfig) -> floe.Client:
+    """The floe client the config asks for (see the module doc)."""
+    block = cfg.floe
+    if block.url:
+        return floe.connect(block.url, token=block.token)
+    trainer = cfg.trainer
+    policy_path = trainer.policy.model.path
+    if not policy_path:
+        raise InvalidInput("trainer.policy.model.path", "the embedded floe backend needs the policy model path")
+    ref_path = trainer.ref.model.path
+    use_ref = trainer.algorithm.use_kl_loss or trainer.algorithm.use_kl_in_reward
+    return floe.connect(floe.BackendConfig(
+        model=policy_path,
+        dtype=block.dtype,  # type: ignore[arg-type] - validated by BackendConfig
+        device=block.device,
+        seed=trainer.seed,
+        num_threads=block.num_threads,
+        state_dir=block.state_dir or str(Path(trainer.ckpt_path) / "floe_states"),
+        optimizer=floe.OptimizerConfig(**map_optimizer(asdict(trainer.policy.optimizer_config), _total_optimizer_steps(cfg))),
+        reference=floe.ReferenceConfig(enabled=bool(use_ref), checkpoint=ref_path if ref_path and ref_path != policy_path else None),
+    ))
+
+
+class JsonlTracking(Tracking):
+    """SkyRL's tracker that also appends each record, at full precision, to a JSONL file."""
+
+    def __init__(self, *args: Any, jsonl_path: Path, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.jsonl_path = jsonl_path
+
+    def log(self, data: dict[str, Any], step: int, commit: bool = False) -> None:
+        super().log(data, step, commit=commit)
+        record = {"step": step, **{k: v for k, v in data.items() if isinstance(v, (int, float, str, bool))}}
+        with self.jsonl_path.open("a") as f:  # append-only log, one complete line per record
+            f.write(json.dumps(record) + "\n")
+
+
+class FloeExp(BasePPOExp):
+    """SkyRL's PPO experiment with the policy, reference and sampler in floe."""
+
+    def __init__(self, cfg: FloeSkyRLConfig):
+        for module in cfg.floe.import_modules:
+            importlib.import_module(module)
+        self.floe_loss = check_supported(cfg)
+        self.floe_calls: Counter[str] = Counter()
+        self.floe_client = connect_floe(cfg)
+        super().__init__(cfg)
+
+    # SkyRL's base builds each dataset with 8 preprocessing processes; on small machines that
+    # costs more than the work. Same rows either way.
+    def _dataset(self, files: list[str]) -> PromptDataset:
+        return PromptDataset(datasets=files, tokenizer=self.tokenizer, max_prompt_length=self.cfg.trainer.max_prompt_length,
+                             num_workers=max(1, min(8, os.cpu_count() or 1)))
+
+    def get_train_dataset(self) -> PromptDataset:
+        ds = self._dataset(self.cfg.data.train_data)
+        if len(ds) < self.cfg.trainer.train_batch_size:
+            raise InvalidInput("data.train_data", f"{len(ds)} rows, fewer than trainer.train_batch_size={self.cfg.trainer.train_batch_size}")
+        return ds
+
+    def get_eval_dataset(self) -> PromptDataset | None:
+        if self.cfg.trainer.eval_interval > 0 and self.cfg.data.val_data:
+            return self._dataset(self.cfg.data.val_data)
+        return None
+
+    def get_tracker(self) -> JsonlTracking:
+        os.makedirs(self.cfg.trainer.export_path, exist_ok=True)
+        return JsonlTracking(project_name=self.cfg.trainer.project_name, experiment_name=self.cfg.trainer.run_name,
+                             backend=self.cfg.trainer.logger, config=self.cfg, tags=self.cfg.trainer.tags,
+                             jsonl_path=Path(self.cfg.trainer.export_path) / METRICS_FILE)
+
+    def get_colocate_pg(self, timeout: int = 0) -> None:
+        return None  # floe places its own zones; no GPU placement group
+
+    def get_inference_client(self) -> FloeInferenceClient:
+        return FloeInferenceClient(self.floe_client, self.tokenizer, str(self.cfg.trainer.policy.model.path), self.floe_calls)
+
+    def get_trainer(self, cfg: Any, tracker: Any, tokenizer: Any, train_dataset: Any, eval_dataset: Any,
+                    inference_engine_client: Any, generator: Any, colocate_pg: Any) -> FloeRayPPOTrainer:
+        return FloeRayPPOTrainer(
+            cfg=cfg, tracker=tracker, tokenizer=tokenizer, train_dataset=train_dataset, eval_dataset=eval_dataset,
+            inference_engine_client=inference_engine_client, generator=generator, colocate_pg=colocate_pg,
+            floe_client=self.floe_client, floe_loss=self.floe_loss, floe_calls=self.floe_calls,
+        )
+
+    def _setup_trainer(self) -> FloeRayPPOTrainer:
+        """SkyRL's ``_setup_trainer`` without its FSDP/Megatron worker imports (which need CUDA
+        and flash-attn): the models are floe's."""
+        os.makedirs(self.cfg.trainer.export_path, exist_ok=True)
+        os.makedirs(self.cfg.trainer.ckpt_path, exist_ok=True)
+        tracker = self.get_tracker()
+        inference_engine_client = self.get_inference_client()
+        generator = self.get_generator(self.cfg, self.tokenizer, inference_engine_client)
+        trainer = self.get_trainer(cfg=self.cfg, tracker=tracker, tokenizer=self.tokenizer, train_dataset=self.train_dataset,
+                                   eval_dataset=self.eval_dataset, inference_engine_client=inference_engine_client,
+                                   generator=generator, colocate_pg=self.colocate_pg)
+        trainer.trajectory_logger = self.get_trajectory_logger()
+        self.trainer = trainer
+        trainer.build_models(None, None, None)
+        return trainer
+
+    def run(self) -> None:
+        try:
+            super().run()
+        finally:
+            out = Path(self.cfg.trainer.export_path) / CALLS_FILE
+            atomic_write_text(out, json.dumps(dict(sorted(self.floe_calls.items())), indent=1) + "\n")
+            self.floe_client.close()
+
+
+@ray.remote(num_cpus=1)
+def floe_skyrl_entrypoint(cfg: FloeSkyRLConfig) -> None:
+    FloeExp(cfg).run()
+
+
+def parse(argv: list[str]) -> FloeSkyRLConfig:
+    """The SkyRL command line (less ``trainer.override_entrypoint``) as a validated config."""
+    cfg = FloeSkyRLConfig.from_cli_overrides([a for a in argv if not a.startswith(OVERRIDE_KEY)])
+    validate_cfg(cfg)
+    check_supported(cfg)
+    return cfg
+
+
+def main() -> None:
+    """Entry point called by SkyRL's ``main_base`` for ``trainer.override_entrypoint=floe.integrations.skyrl.entrypoint``."""
+    cfg = parse(sys.argv[1:])
+    initialize_ray(cfg)
+    ray.get(floe_skyrl_entrypoint.remote(cfg))
+
+
+if __name__ == "__main__":
+    main()

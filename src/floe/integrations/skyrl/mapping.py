@@ -1,0 +1,287 @@
+"""SkyRL 0.4.0's training config onto floe: loss, optimizer and sampling keys, honoured or refused.
+
+Pure functions on plain dicts (``dataclasses.asdict`` of SkyRL's config sections), no SkyRL
+import, so the core suite tests every row of the mapping (docs/integrations.md has the tables).
+A key floe cannot honour raises InvalidInput naming the SkyRL key (``trainer.algorithm.…``);
+nothing is dropped silently. A key that SkyRL's own trainer code applies before floe is called
+(advantage estimator, reward KL, dynamic sampling, ...) is listed in ``TRAINER_SIDE`` and passes.
+
+How SkyRL's reductions are honoured exactly. SkyRL 0.4.0 applies ``loss_reduction`` by
+pre-scaling the advantages of each mini-batch (``apply_loss_reduction_to_advantages_minibatch``)
+and then *sums* the masked per-token policy loss; its KL term is the per-sequence token mean
+averaged over the mini-batch, and its entropy term the token mean of each micro-batch weighted
+by the micro-batch's share of sequences. floe's loss is Σ_t w_t·(ℓ_t + kl_coef·k_t − ent_coef·H_t)
+with ``aggregation = "sum"``. Every floe policy loss is positively homogeneous in the advantage
+(ℓ(c·A) = c·ℓ(A) for c > 0), so giving token t the weight ω_t the KL (or entropy) term needs and
+the advantage A_t·m_t/ω_t reproduces SkyRL's policy term, KL term and entropy term at once
+(``token_weights`` / ``floe_advantages``). Only KL *and* entropy together need two different
+weights; that combination is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from floe.errors import InvalidInput
+
+SKYRL_VERSION = "0.4.0"
+
+Weighting = Literal["mask", "kl", "entropy"]
+
+# SkyRL policy_loss_type -> floe loss name.
+POLICY_LOSSES: dict[str, str] = {
+    "regular": "ppo",
+    "dual_clip": "ppo",
+    "gspo": "gspo",
+    "cispo": "cispo",
+    "importance_sampling": "importance_sampling",
+    "cross_entropy": "cross_entropy",
+}
+KL_ESTIMATORS = ("k1", "k2", "k3")
+# Estimators whose advantages are constant within a sequence (what floe's GSPO, gradient through
+# the sequence mean, needs to equal SkyRL's GSPO-token).
+OUTCOME_ESTIMATORS = ("grpo", "rloo", "maxrl")
+
+# trainer.algorithm keys that SkyRL's own trainer applies before any floe call.
+TRAINER_SIDE = frozenset({
+    "advantage_estimator", "kl_ctrl", "use_kl_in_reward", "advantage_batch_normalize", "grpo_norm_by_std",
+    "zero_variance_filter", "zero_variance_filter_tol", "lambd", "gamma", "dynamic_sampling",
+    "loss_reduction", "max_seq_len",
+})
+# Keys read only by losses or models floe refuses (a critic, sapo, clip_cov, kl_cov, dppo).
+UNUSED_WHEN_REFUSED = frozenset({"value_head_prefix", "value_clip", "sapo", "clip_cov", "kl_cov", "dppo"})
+MAPPED = frozenset({
+    "policy_loss_type", "eps_clip_low", "eps_clip_high", "clip_ratio_c", "use_kl_loss", "kl_loss_coef",
+    "kl_estimator_type", "use_entropy_loss", "entropy_loss_coef", "temperature", "cispo",
+})
+# Keys floe refuses unless they hold SkyRL's default (off) value.
+MUST_BE_DEFAULT: dict[str, Any] = {
+    "use_tis": False,
+    "tis_imp_ratio_cap": -1.0,
+    "enable_sample_support_replay": False,
+}
+OFF_POLICY_OFF: dict[str, Any] = {
+    "tis_ratio_type": None, "sequence_mask_metric": None, "outlier_token_is_threshold_low": None,
+    "outlier_token_is_threshold_high": None, "token_mask_is_threshold_low": None,
+    "token_mask_is_threshold_high": None,
+}
+
+
+@dataclass(frozen=True)
+class SkyRLLoss:
+    """What one SkyRL mini-batch becomes in floe: `forward_backward(batch, loss, loss_config,
+    temperature)` with per-token weights chosen by `weighting` (see `token_weights`)."""
+
+    loss: str
+    loss_config: dict[str, Any]
+    weighting: Weighting
+    temperature: float
+
+
+def _key(name: str) -> str:
+    return f"trainer.algorithm.{name}"
+
+
+def map_loss(
+    algorithm: Mapping[str, Any], *, max_tokens_per_microbatch: int = 0, has_critic: bool = False
+) -> SkyRLLoss:
+    """SkyRL's ``trainer.algorithm`` (as a dict) -> the floe loss that computes the same loss.
+
+    Args: `algorithm` = ``asdict(cfg.trainer.algorithm)``; `max_tokens_per_microbatch` =
+    ``cfg.trainer.max_tokens_per_microbatch`` (token-packed micro-batches change SkyRL's entropy
+    weighting); `has_critic` = a critic model is configured. Raises InvalidInput naming the key
+    for anything floe cannot honour exactly, including keys this mapping does not know.
+    """
+    for name in algorithm:
+        if name not in TRAINER_SIDE | UNUSED_WHEN_REFUSED | MAPPED | MUST_BE_DEFAULT.keys() | {"off_policy_correction"}:
+            raise InvalidInput(_key(name), f"not a SkyRL {SKYRL_VERSION} algorithm key known to floe's mapping")
+    if has_critic:
+        raise InvalidInput("trainer.critic.model.path", "floe has no value model; use a critic-free estimator (grpo, rloo, ...)")
+    if algorithm.get("advantage_estimator") == "gae":
+        raise InvalidInput(_key("advantage_estimator"), "'gae' needs a critic, which floe does not train")
+    for name, default in MUST_BE_DEFAULT.items():
+        if algorithm.get(name, default) != default:
+            raise InvalidInput(_key(name), f"not supported by floe (must stay {default!r})")
+    for name, default in OFF_POLICY_OFF.items():
+        if (algorithm.get("off_policy_correction") or {}).get(name, default) != default:
+            raise InvalidInput(_key(f"off_policy_correction.{name}"), "off-policy correction is not supported by floe")
+
+    kind = algorithm.get("policy_loss_type", "regular")
+    if kind not in POLICY_LOSSES:
+        raise InvalidInput(_key("policy_loss_type"), f"{kind!r} has no floe equivalent; supported: {', '.join(POLICY_LOSSES)}")
+    loss = POLICY_LOSSES[kind]
+    cfg: dict[str, Any] = {"aggregation": "sum"}
+    if loss in ("ppo", "gspo"):
+        cfg["clip_low"] = _clip_low(algorithm.get("eps_clip_low", 0.2), "eps_clip_low")
+        cfg["clip_high"] = _non_negative(algorithm.get("eps_clip_high", 0.2), "eps_clip_high")
+    if kind == "dual_clip":
+        c = float(algorithm.get("clip_ratio_c", 3.0))
+        if not c > 1:
+            raise InvalidInput(_key("clip_ratio_c"), f"dual clip needs c > 1, got {c}")
+        cfg["dual_clip"] = c
+    if kind == "gspo":
+        estimator = algorithm.get("advantage_estimator", "grpo")
+        if estimator not in OUTCOME_ESTIMATORS and not (estimator == "reinforce++" and algorithm.get("gamma", 1.0) == 1.0):
+            raise InvalidInput(_key("policy_loss_type"), f"'gspo' needs advantages constant per sequence ({', '.join(OUTCOME_ESTIMATORS)}); got estimator {estimator!r}")
+    if kind == "cispo":
+        cispo = algorithm.get("cispo") or {}
+        if cispo.get("cispo_anchor", "old") != "old":
+            raise InvalidInput(_key("cispo.cispo_anchor"), "only the 'old' anchor is supported by floe")
+        cfg["clip_low"] = _clip_low(cispo.get("cispo_eps_clip_low", 1.0), "cispo.cispo_eps_clip_low")
+        cfg["clip_high"] = _non_negative(cispo.get("cispo_eps_clip_high", 4.0), "cispo.cispo_eps_clip_high")
+
+    use_kl = bool(algorithm.get("use_kl_loss", True))
+    use_entropy = bool(algorithm.get("use_entropy_loss", False))
+    weighting: Weighting = "mask"
+    if loss == "cross_entropy":
+        pass  # SkyRL's SFT branch adds neither KL nor entropy: a plain masked sum.
+    elif use_kl and use_entropy:
+        raise InvalidInput(_key("use_entropy_loss"), "entropy bonus together with use_kl_loss is not supported by floe's SkyRL plugin")
+    elif use_kl:
+        estimator = algorithm.get("kl_estimator_type", "k3")
+        if estimator not in KL_ESTIMATORS:
+            raise InvalidInput(_key("kl_estimator_type"), f"{estimator!r} is not a floe KL estimator ({', '.join(KL_ESTIMATORS)})")
+        cfg["kl"] = {"coef": _non_negative(algorithm.get("kl_loss_coef", 0.001), "kl_loss_coef"), "estimator": estimator}
+        weighting = "kl"
+    elif use_entropy:
+        if max_tokens_per_microbatch > 0:
+            raise InvalidInput("trainer.max_tokens_per_microbatch", "entropy loss with token-packed micro-batches is not supported by floe")
+        cfg["entropy"] = {"coef": _non_negative(algorithm.get("entropy_loss_coef", 0.01), "entropy_loss_coef")}
+        weighting = "entropy"
+
+    temperature = algorithm.get("temperature")
+    if temperature is None or not float(temperature) > 0:
+        raise InvalidInput(_key("temperature"), f"must be > 0 (SkyRL's validate_cfg copies the sampling temperature), got {temperature!r}")
+    return SkyRLLoss(loss, cfg, weighting, float(temperature))
+
+
+def _non_negative(value: Any, name: str) -> float:
+    v = float(value)
+    if not v >= 0:
+        raise InvalidInput(_key(name), f"must be >= 0, got {value!r}")
+    return v
+
+
+def _clip_low(value: Any, name: str) -> float:
+    v = _non_negative(value, name)
+    if v > 1:
+        raise InvalidInput(_key(name), f"must be <= 1 (the ratio is clipped below at 1 - {name}), got {value!r}")
+    return v
+
+
+def map_optimizer(optimizer: Mapping[str, Any], total_steps: int | None = None) -> dict[str, Any]:
+    """SkyRL's ``trainer.policy.optimizer_config`` (as a dict) -> floe ``OptimizerConfig`` fields.
+
+    `total_steps`: optimizer steps of the whole run (the cosine schedule needs it). SkyRL's
+    warm-up follows transformers (lr·step/warmup, 0 at the first step) where floe's starts at
+    lr/warmup, so a warm-up is refused rather than approximated. Raises InvalidInput naming the key.
+    """
+    key = "trainer.policy.optimizer_config."
+    known = {"lr", "adam_betas", "weight_decay", "max_grad_norm", "offload_after_step", "num_warmup_steps", "scheduler"}
+    for name in optimizer:
+        if name not in known:
+            raise InvalidInput(key + name, f"not a SkyRL {SKYRL_VERSION} optimizer key known to floe's mapping")
+    if int(optimizer.get("num_warmup_steps", 0)) != 0:
+        raise InvalidInput(key + "num_warmup_steps", "floe's warm-up schedule differs from transformers'; only 0 is supported")
+    scheduler = optimizer.get("scheduler", "constant_with_warmup")
+    out: dict[str, Any] = {
+        "lr": float(optimizer.get("lr", 1e-6)),
+        "betas": tuple(float(b) for b in optimizer.get("adam_betas", (0.9, 0.999))),
+        "weight_decay": float(optimizer.get("weight_decay", 1e-2)),
+    }
+    clip = optimizer.get("max_grad_norm", 1.0)
+    out["grad_clip"] = float(clip) if clip is not None and float(clip) > 0 else None
+    if scheduler in ("constant", "constant_with_warmup"):
+        out["schedule"] = "constant"
+    elif scheduler == "cosine":
+        if total_steps is None:
+            raise InvalidInput(key + "scheduler", "'cosine' needs the run's total steps (trainer.max_training_steps or epochs)")
+        out.update(schedule="cosine", total_steps=int(total_steps), min_lr_ratio=0.0)
+    else:
+        raise InvalidInput(key + "scheduler", f"{scheduler!r} is not supported by floe (constant, constant_with_warmup, cosine)")
+    return out
+
+
+# vLLM-style sampling keys SkyRL sends (skyrl...engine_utils.get_vllm_sampling_params).
+SAMPLING_KEYS = frozenset({
+    "max_tokens", "temperature", "top_p", "top_k", "min_p", "logprobs", "stop", "stop_token_ids", "seed",
+    "min_tokens", "skip_special_tokens", "include_stop_str_in_output", "n",
+})
+
+
+def map_sampling(params: Mapping[str, Any]) -> dict[str, Any]:
+    """SkyRL's per-request vLLM-style sampling dict -> floe ``SamplingParams`` fields.
+
+    Honoured: max_tokens, temperature, top_p, top_k (-1 = off), stop, stop_token_ids, seed.
+    Accepted as floe already behaves: logprobs 0/1/None (floe always returns the sampled
+    token's log-prob), include_stop_str_in_output=True, skip_special_tokens (text only),
+    min_tokens <= 1 (floe always generates a token), n = 1. Anything else is an InvalidInput
+    naming ``sampling_params.<key>``.
+    """
+    for name in params:
+        if name not in SAMPLING_KEYS:
+            raise InvalidInput(f"sampling_params.{name}", "not supported by floe")
+    if float(params.get("min_p") or 0.0) != 0.0:
+        raise InvalidInput("sampling_params.min_p", "min-p sampling is not supported by floe")
+    if int(params.get("min_tokens") or 0) > 1:
+        raise InvalidInput("sampling_params.min_tokens", "floe supports min_tokens <= 1 only")
+    if params.get("logprobs") not in (None, 0, 1):
+        raise InvalidInput("sampling_params.logprobs", "floe returns the sampled token's log-prob only (0 or 1)")
+    if params.get("include_stop_str_in_output", True) is not True:
+        raise InvalidInput("sampling_params.include_stop_str_in_output", "floe keeps the stop string in the output")
+    if int(params.get("n") or 1) != 1:
+        raise InvalidInput("sampling_params.n", "SkyRL's generator sends one sample per request")
+    out: dict[str, Any] = {}
+    if params.get("max_tokens") is not None:
+        out["max_tokens"] = int(params["max_tokens"])
+    for name in ("temperature", "top_p"):
+        if params.get(name) is not None:
+            out[name] = float(params[name])
+    top_k = params.get("top_k")
+    if top_k is not None:
+        out["top_k"] = max(int(top_k), 0)
+    if params.get("stop"):
+        out["stop"] = [str(s) for s in params["stop"]]
+    if params.get("stop_token_ids"):
+        out["stop_token_ids"] = [int(t) for t in params["stop_token_ids"]]
+    if params.get("seed") is not None:
+        out["seed"] = int(params["seed"])
+    return out
+
+
+def token_weights(loss_mask: torch.Tensor, weighting: Weighting, micro_batch_size: int | None = None) -> torch.Tensor:
+    """floe per-token weights ω [B, R] for one SkyRL mini-batch of B rows (see the module doc).
+
+    mask: ω = m. kl: ω = m / (B·n_i), n_i = Σ_t m of row i (SkyRL's per-sequence token mean of
+    the KL, averaged over the mini-batch). entropy: ω = m · (b_j / B) / Σ_{micro-batch j} m, with
+    SkyRL's consecutive micro-batches of `micro_batch_size` rows (b_j rows in micro-batch j).
+    Rows without loss tokens get ω = 0.
+    """
+    m = loss_mask.to(torch.float64)
+    rows = m.shape[0]
+    if weighting == "mask":
+        return m
+    if weighting == "kl":
+        per_row = m.sum(dim=1, keepdim=True)
+        return torch.where(per_row > 0, m / (rows * per_row.clamp_min(1e-300)), torch.zeros_like(m))
+    if micro_batch_size is None or micro_batch_size < 1:
+        raise InvalidInput("trainer.micro_train_batch_size_per_gpu", "must be >= 1 for the entropy loss")
+    out = torch.zeros_like(m)
+    for start in range(0, rows, micro_batch_size):
+        chunk = m[start : start + micro_batch_size]
+        tokens = float(chunk.sum())
+        if tokens > 0:
+            out[start : start + micro_batch_size] = chunk * (chunk.shape[0] / rows) / tokens
+    return out
+
+
+def floe_advantages(advantages: torch.Tensor, loss_mask: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The advantages to send with weights ω so that ω·ℓ(A') = m·ℓ(A): A' = A·m/ω where ω > 0, else 0."""
+    a = advantages.to(torch.float64)
+    w = weights.to(torch.float64)
+    return torch.where(w > 0, a * loss_mask.to(torch.float64) / torch.where(w > 0, w, torch.ones_like(w)), torch.zeros_like(a))
+

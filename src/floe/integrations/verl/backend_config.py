@@ -1,0 +1,120 @@
+"""Which floe backend a verl run uses: the recipe's optional `floe` block (pure; no verl import).
+
+    floe:                      # add with Hydra's `+floe.<key>=...`; every key optional
+      url: null                # a `floe serve` URL; null: the plugin starts its own backend
+      token: null              # that server's bearer token (default: $FLOE_TOKEN)
+      timeout_s: 600           # HTTP timeout of one call, seconds
+      backend: {}              # BackendConfig keys for the plugin's own backend (e.g. num_threads)
+
+With no `url` (the default) the plugin runs `floe serve` on loopback for the length of the
+run, on `actor_rollout_ref.model.path`, with the actor's optimizer mapped onto floe's
+(table below) and a fresh token; verl's trainer and rollout processes all talk to it. With a
+`url` the server's own configuration rules (its model and optimizer are whatever it was
+started with).
+
+| verl key (actor_rollout_ref.actor.optim.*)  | floe BackendConfig.optimizer                  |
+|---------------------------------------------|-----------------------------------------------|
+| optimizer = AdamW (others refused)          | AdamW                                         |
+| lr, betas, weight_decay, clip_grad          | lr, betas, weight_decay, grad_clip            |
+| lr_scheduler_type = constant, no warmup     | schedule "constant" (warmup / cosine refused: verl steps its schedule once per training step, floe once per optim_step) |
+
+Unknown keys in the block, and verl settings floe cannot honour, raise InvalidInput naming
+the key.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from floe.errors import InvalidInput
+
+_BLOCK_KEYS = {"url", "token", "timeout_s", "backend"}
+OPTIM = "actor_rollout_ref.actor.optim"
+
+
+@dataclass(frozen=True)
+class FloeTarget:
+    """Where the plugin's floe backend is: `url` (+ `token`) of a running server, or, when
+    `url` is None, the BackendConfig dict (`backend`) of the server the plugin starts."""
+
+    url: str | None
+    token: str | None
+    timeout_s: float
+    backend: dict[str, Any] | None
+
+
+def _optimizer(optim: Mapping[str, Any]) -> dict[str, Any]:
+    name = optim.get("optimizer", "AdamW")
+    if name != "AdamW":
+        raise InvalidInput(f"{OPTIM}.optimizer", f"floe's policy zone trains with AdamW, got {name!r}")
+    out: dict[str, Any] = {}
+    for verl_key, floe_key in (("lr", "lr"), ("weight_decay", "weight_decay"), ("clip_grad", "grad_clip")):
+        value = optim.get(verl_key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise InvalidInput(f"{OPTIM}.{verl_key}", f"must be a finite number, got {value!r}")
+        out[floe_key] = float(value)
+    betas = optim.get("betas")
+    if betas is not None:
+        if len(betas) != 2:
+            raise InvalidInput(f"{OPTIM}.betas", f"must be two numbers, got {betas!r}")
+        out["betas"] = (float(betas[0]), float(betas[1]))
+    schedule = optim.get("lr_scheduler_type", optim.get("warmup_style") or "constant")
+    if schedule != "constant":
+        raise InvalidInput(f"{OPTIM}.lr_scheduler_type", f"floe's verl plugin maps 'constant' only, got {schedule!r}")
+    warmup_steps = optim.get("lr_warmup_steps", -1)
+    warmup_ratio = optim.get("lr_warmup_steps_ratio", 0.0)
+    if (warmup_steps is not None and warmup_steps > 0) or (warmup_ratio or 0.0) > 0:
+        key = "lr_warmup_steps" if warmup_steps is not None and warmup_steps > 0 else "lr_warmup_steps_ratio"
+        raise InvalidInput(f"{OPTIM}.{key}", "LR warmup is not mapped (verl warms up per training step, floe per "
+                           "optim_step); set it to 0 / -1")
+    out["schedule"] = "constant"
+    return out
+
+
+def floe_target(config: Mapping[str, Any]) -> FloeTarget:
+    """The floe backend a verl config (the whole resolved config, as plain dicts) asks for.
+
+    Raises InvalidInput("floe.<key>") for an unknown key or a bad value in the `floe` block,
+    and InvalidInput naming the verl key for optimizer settings floe cannot honour.
+    """
+    block = config.get("floe") or {}
+    if not isinstance(block, Mapping):
+        raise InvalidInput("floe", f"must be a mapping with keys {sorted(_BLOCK_KEYS)}, got {block!r}")
+    unknown = sorted(set(block) - _BLOCK_KEYS)
+    if unknown:
+        raise InvalidInput(f"floe.{unknown[0]}", f"unknown key; the floe block has {sorted(_BLOCK_KEYS)}")
+    timeout = block.get("timeout_s", 600)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        raise InvalidInput("floe.timeout_s", f"must be a number of seconds > 0, got {timeout!r}")
+    url = block.get("url")
+    token = block.get("token")
+    overrides = block.get("backend") or {}
+    if not isinstance(overrides, Mapping):
+        raise InvalidInput("floe.backend", f"must be a mapping of BackendConfig keys, got {overrides!r}")
+    if url is not None:
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise InvalidInput("floe.url", f"must be an http(s):// URL of a `floe serve`, got {url!r}")
+        if overrides:
+            raise InvalidInput("floe.backend", "configures the plugin's own backend; a floe.url server has its own "
+                               "configuration: drop one of them")
+        return FloeTarget(url.rstrip("/"), token, float(timeout), None)
+    if token is not None:
+        raise InvalidInput("floe.token", "is for a floe.url server; the plugin's own backend gets a fresh token")
+    aro = config.get("actor_rollout_ref") or {}
+    model = (aro.get("model") or {}).get("path")
+    if not isinstance(model, str) or not model:
+        raise InvalidInput("actor_rollout_ref.model.path", "must name the model the floe backend trains")
+    backend: dict[str, Any] = {"model": model, "optimizer": _optimizer((aro.get("actor") or {}).get("optim") or {})}
+    for key, value in overrides.items():
+        if key == "model":
+            raise InvalidInput("floe.backend.model", "comes from actor_rollout_ref.model.path; drop it")
+        if key == "optimizer" and isinstance(value, Mapping):
+            backend["optimizer"] = {**backend["optimizer"], **value}
+        else:
+            backend[key] = value
+    return FloeTarget(None, None, float(timeout), backend)

@@ -1,0 +1,409 @@
+"""verl 0.9.1 plugin: the `floe` V1 trainer mode and the `floe` rollout, both on a floe backend.
+
+Loaded by verl at `import verl` through the `verl.plugins` entry point (or
+VERL_USE_EXTERNAL_MODULES=floe.integrations.verl.plugin). It registers:
+
+* trainer mode "floe" (`trainer.v1.trainer_mode=floe`): verl's synchronous V1 trainer with
+  its GPU wiring replaced. verl's own data loader, agent loops, reward loop, replay buffer,
+  GRPO advantages, validation, metrics and checkpoints run unchanged; the actor's
+  log-probs, the reference log-probs and the PPO updates go to floe (`FloeWorkerGroup`), and
+  weight sync is `client.sync_weights(version=<verl's global step>)` (`FloeWeightSync`).
+* rollout "floe" (`actor_rollout_ref.rollout.name=floe`): a rollout replica whose server
+  (`FloeRolloutServer`, a Ray actor) answers verl's token-in/token-out `generate` with
+  `client.sample`, batching concurrent requests by prompt so each prompt is prefilled once.
+
+The backend is chosen by the recipe's `floe` block (backend_config.py): by default a
+`floe serve` the plugin starts on loopback from `actor_rollout_ref.model.path`, or a given
+URL + token. The loss comes from verl's actor config (loss_mapping.py). Everything crosses to
+floe through the public client API and floe.convert.
+
+Pinned to verl==0.9.1: `FloeTrainer._setup` replaces a private method of verl's trainer and
+reads verl's TransferQueue field names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+import transfer_queue as tq
+from omegaconf import OmegaConf
+from tensordict import TensorDict
+from verl.experimental.reward_loop import RewardLoopManager
+from verl.trainer.ppo.v1 import PPOTrainerSync, register_trainer
+from verl.utils import tensordict_utils as tu
+from verl.workers.rollout.llm_server import LLMServerManager
+from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutReplicaRegistry, TokenOutput
+
+import floe
+from floe.convert import RowLayout, verl_sequence_values, verl_to_batch
+from floe.errors import InvalidInput
+from floe.integrations.verl.backend_config import floe_target
+from floe.integrations.verl.local_server import LocalServer
+from floe.integrations.verl.loss_mapping import VerlLoss, verl_loss
+from floe.integrations.verl.rollout_mapping import floe_sampling_params
+
+log = logging.getLogger("floe.integrations.verl")
+
+STATE_MARKER = "floe_state.json"  # written into verl's actor checkpoint folder: which floe state it is
+
+
+def _connect(url: str, token: str | None, timeout_s: float) -> floe.Client:
+    return floe.connect(url, token=token, timeout=timeout_s)
+
+
+def _non_tensor(data: TensorDict, key: str) -> list[Any]:
+    value = data[key]
+    return value.tolist() if hasattr(value, "tolist") else list(value)
+
+
+def _rows(data: TensorDict, key: str) -> list[list[Any]]:
+    """A jagged TransferQueue field as Python lists, one per row."""
+    return [t.tolist() for t in data[key].unbind()]
+
+
+def _nested(rows: list[list[float]]) -> torch.Tensor:
+    return torch.nested.as_nested_tensor([torch.tensor(r, dtype=torch.float32) for r in rows], layout=torch.jagged)
+
+
+class FloeWorkerGroup:
+    """Stands in for verl's actor/rollout/ref worker group: every call goes to floe.
+
+    verl hands it TransferQueue handles (`KVBatchMeta`); it reads the rows it needs, rebuilds
+    groups by uid (floe.convert), calls floe, and writes results back in verl's layout.
+    """
+
+    def __init__(self, client: floe.Client, loss: VerlLoss, url: str, token: str | None, timeout_s: float):
+        self.client = client
+        self.loss = loss
+        self.url, self.token, self.timeout_s = url, token, timeout_s
+        self._dispatch_info = {"actor": [0]}
+        self.world_size = 1
+        self.workers: list[Any] = []
+        self._saved_states: list[str] = []
+        self.calls: dict[str, int] = defaultdict(int)  # floe calls made, by operation
+
+    # -- what verl's trainer asks of a worker group ------------------------------------------
+
+    def _query_dispatch_info(self, role: str) -> list[int]:
+        return [0]
+
+    def init_model(self) -> None:
+        return None
+
+    def _layout(self, batch: Any) -> RowLayout:
+        """The batch's rows as floe groups (prompt and response tokens, grouped by uid)."""
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
+                               select_fields=["prompts", "responses", "uid"])
+        return verl_to_batch(_rows(data, "prompts"), _rows(data, "responses"), _non_tensor(data, "uid"))
+
+    def _log_probs(self, batch: Any, zone: str) -> Any:
+        temperature = float(batch.extra_info.get("temperature", 1.0))
+        with_entropy = zone == "policy" and bool(batch.extra_info.get("calculate_entropy", False))
+        layout = self._layout(batch)
+        result = self.client.forward(layout.batch, zone=zone, temperature=temperature, with_entropy=with_entropy)
+        self.calls["forward"] += 1
+        fields = {"log_probs": _nested(verl_sequence_values(layout, result.logprobs))}
+        if with_entropy:
+            assert result.entropy is not None
+            fields["entropy"] = _nested(verl_sequence_values(layout, result.entropy))
+        return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
+                               fields=TensorDict(fields, batch_size=[len(batch.keys)]))
+
+    def compute_log_prob(self, batch: Any) -> Any:
+        """Policy log-probs (and entropy) over each whole sequence, verl's alignment."""
+        return self._log_probs(batch, "policy")
+
+    def compute_ref_log_prob(self, batch: Any) -> Any:
+        """Reference-zone log-probs over each whole sequence, verl's alignment."""
+        return self._log_probs(batch, "reference")
+
+    def update_actor(self, batch: Any) -> dict[str, Any]:
+        """verl's PPO update: its mini-batches (same size, epochs, seed and shuffle as verl's
+        own iterator), each one floe forward_backward + optim_step."""
+        info = batch.extra_info
+        extra = ["response_mask", "old_log_probs", "advantages"]
+        if self.loss.needs_ref_logprobs:
+            extra.append("ref_log_prob")
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
+                               select_fields=["prompts", "responses", "uid", *extra])
+        prompts, responses, uids = _rows(data, "prompts"), _rows(data, "responses"), _non_tensor(data, "uid")
+        per_token = {name: _rows(data, name) for name in extra}
+        n = len(uids)
+        mini = int(info.get("mini_batch_size") or n)
+        order = TensorDict({"row": torch.arange(n)}, batch_size=[n])
+        iterator = tu.make_iterator(order, mini_batch_size=mini, epochs=int(info.get("epochs", 1)),
+                                    seed=info.get("seed", 42), dataloader_kwargs=dict(info.get("dataloader_kwargs") or {}))
+        temperature = float(info.get("temperature", 1.0))
+        metrics: dict[str, list[float]] = defaultdict(list)
+        for part in iterator:
+            rows = part["row"].tolist()
+            layout = verl_to_batch(
+                [prompts[i] for i in rows], [responses[i] for i in rows], [uids[i] for i in rows],
+                response_mask=[per_token["response_mask"][i] for i in rows],
+                old_log_probs=[per_token["old_log_probs"][i] for i in rows],
+                advantages=[per_token["advantages"][i] for i in rows],
+                ref_log_probs=[per_token["ref_log_prob"][i] for i in rows] if self.loss.needs_ref_logprobs else None,
+            )
+            fb = self.client.forward_backward(layout.batch, self.loss.loss, self.loss.loss_config, temperature=temperature)
+            step = self.client.optim_step()
+            self.calls["forward_backward"] += 1
+            self.calls["optim_step"] += 1
+            metrics["pg_loss"].append(fb.metrics["loss"])
+            metrics["pg_clipfrac"].append(fb.metrics.get("clip_fraction", 0.0))
+            metrics["grad_norm"].append(step.grad_norm)
+            metrics["lr"].append(step.lr)
+            for key in ("kl_ref_k3", "kl_sampler_k1", "entropy", "ratio_mean"):
+                if key in fb.metrics:
+                    metrics[f"floe/{key}"].append(fb.metrics[key])
+        metrics["mfu"] = [0.0]  # verl's trainer pops actor/mfu; floe does not estimate it
+        return {"metrics": dict(metrics)}
+
+    def save_checkpoint(self, local_path: str, hdfs_path: str | None = None, global_step: int = 0,
+                        max_ckpt_to_keep: int | None = None) -> None:
+        """floe save_state("verl_step_<global_step>"), named in `<local_path>/floe_state.json`;
+        older plugin states beyond `max_ckpt_to_keep` are deleted."""
+        name = f"verl_step_{int(global_step)}"
+        result = self.client.save_state(name)
+        Path(local_path).mkdir(parents=True, exist_ok=True)
+        Path(local_path, STATE_MARKER).write_text(json.dumps({"state": result.name, "step": result.step,
+                                                              "version": result.version}))
+        if name not in self._saved_states:
+            self._saved_states.append(name)
+        if max_ckpt_to_keep:
+            while len(self._saved_states) > max_ckpt_to_keep:
+                self.client.delete_state(self._saved_states.pop(0))
+
+    def load_checkpoint(self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = False) -> None:
+        """floe load_state of the state named in `<local_path>/floe_state.json`."""
+        marker = Path(local_path, STATE_MARKER)
+        if not marker.exists():
+            raise InvalidInput("trainer.resume_from_path", f"{local_path} holds no {STATE_MARKER}: not a floe checkpoint")
+        self.client.load_state(json.loads(marker.read_text())["state"])
+
+    def start_profile(self, **kwargs: Any) -> None:
+        return None
+
+    def stop_profile(self, **kwargs: Any) -> None:
+        return None
+
+
+class FloeWeightSync:
+    """verl's weight-sync manager, on floe: `update_weights(global_steps)` syncs the policy
+    into the sampler under a version tag that maps back to verl's step.
+
+    floe versions only move forward, and a server may already be past 0, so the tag is
+    `offset + global_steps`, with the offset fixed at the first sync; every rollout server
+    learns the offset and reports `weights_version - offset` as verl's `global_steps`.
+    """
+
+    def __init__(self, client: floe.Client, replicas: list[RolloutReplica]):
+        self.client = client
+        self.replicas = replicas
+        self.offset: int | None = None
+        self.calls = 0
+
+    def update_weights(self, global_steps: int | None = None) -> None:
+        if global_steps is None:  # a re-wake with unchanged weights (verl's colocated reward path)
+            return
+        if self.offset is None:
+            self.offset = self.client.info().sampler_version + 1 - int(global_steps)
+            ray.get([s.set_version_offset.remote(self.offset) for r in self.replicas for s in r.servers])
+        self.client.sync_weights(version=self.offset + int(global_steps))
+        self.calls += 1
+
+    def sleep_replicas(self) -> None:
+        return None
+
+    def abort_replicas(self) -> None:
+        return None
+
+    def resume_generation_replicas(self) -> None:
+        return None
+
+
+@register_trainer("floe")
+class FloeTrainer(PPOTrainerSync):
+    """verl's synchronous V1 trainer with a floe backend in place of GPU worker groups."""
+
+    def _setup(self) -> None:
+        self._init_tokenizer()
+        self._init_dataloader()
+        self._init_dump_executor()
+        cfg = OmegaConf.to_container(self.config, resolve=True)
+        assert isinstance(cfg, dict)
+        self.floe_loss = verl_loss(cfg["actor_rollout_ref"]["actor"], cfg.get("algorithm"))
+        if self.use_critic:
+            raise InvalidInput("algorithm.adv_estimator", "floe's verl plugin trains no critic; use a critic-free "
+                               f"estimator such as grpo (got {cfg['algorithm'].get('adv_estimator')!r})")
+        if cfg["reward"]["reward_model"].get("enable"):
+            raise InvalidInput("reward.reward_model.enable", "model-based rewards need a GPU pool; floe's verl plugin "
+                               "runs rule / custom reward functions")
+        if self.use_teacher_policy:
+            raise InvalidInput("distillation", "on-policy distillation is not supported by floe's verl plugin")
+        target = floe_target(cfg)
+        self.floe_server: LocalServer | None = None
+        if target.url is None:
+            backend = dict(target.backend or {})
+            backend.setdefault("state_dir", os.path.abspath(os.path.join(cfg["trainer"]["default_local_dir"], "floe_state")))
+            self.floe_server = LocalServer(backend)
+            url, token = self.floe_server.url, self.floe_server.token
+        else:
+            url, token = target.url, target.token or os.environ.get("FLOE_TOKEN")
+        client = _connect(url, token, target.timeout_s)
+        log.warning("floe backend at %s (%s)", url, "started by the plugin" if self.floe_server else "given")
+        self.ref_in_actor = False
+        self.actor_rollout_wg = FloeWorkerGroup(client, self.floe_loss, url, token, target.timeout_s)
+        # verl makes world_size // (rollout tp * dp * pp) replicas: one, on the floe backend.
+        rollout = cfg["actor_rollout_ref"]["rollout"]
+        self.actor_rollout_wg.world_size = (rollout["tensor_model_parallel_size"] * rollout["data_parallel_size"]
+                                            * rollout["pipeline_model_parallel_size"])
+        if self.use_reference_policy:
+            self.ref_policy_wg = self.actor_rollout_wg
+        self.reward_loop_manager = RewardLoopManager(config=self.config, rm_resource_pool=None)
+        self.teacher_model_manager = None
+        self.distillation_config = None
+        self.llm_server_manager = LLMServerManager.create(config=self.config, worker_group=self.actor_rollout_wg)
+        self.checkpoint_manager = FloeWeightSync(client, self.llm_server_manager.get_replicas())
+        self._load_checkpoint()
+
+    def _get_n_gpus_for_throughput(self) -> int:
+        return 1
+
+    def on_sample_end(self) -> None:
+        return None
+
+    def on_step_end(self) -> None:
+        """verl's weight sync, then floe's call counts so far into this step's metrics
+        (floe/calls/<op>; sampled_sequences counts the samples the rollout servers returned)."""
+        super().on_step_end()
+        counts = {f"floe/calls/{op}": float(n) for op, n in self.actor_rollout_wg.calls.items()}
+        counts["floe/calls/sync_weights"] = float(self.checkpoint_manager.calls)
+        servers = [s for r in self.llm_server_manager.get_replicas() for s in r.servers]
+        for server_counts in ray.get([s.counts.remote() for s in servers]):
+            for op, n in server_counts.items():
+                counts[f"floe/calls/{op}"] = counts.get(f"floe/calls/{op}", 0.0) + n
+        self._pending_sync_metrics = {**(getattr(self, "_pending_sync_metrics", None) or {}), **counts}
+
+
+@ray.remote
+class FloeRolloutServer:
+    """verl's token-in/token-out rollout server on floe's `sample`.
+
+    Concurrent `generate` calls are collected for a moment and sent as one `sample` per
+    (sampling params, n): identical prompts become one prompt with n samples, so the sampler
+    prefills each prompt once.
+    """
+
+    def __init__(self, url: str, token: str | None, timeout_s: float, response_length: int, prompt_length: int,
+                 max_model_len: int | None):
+        self.client = _connect(url, token, timeout_s)
+        self.lengths = (response_length, prompt_length, max_model_len)
+        self.offset = 0
+        self._pending: list[tuple[list[int], floe.SamplingParams, asyncio.Future]] = []
+        self._runner: asyncio.Task | None = None
+        self._counts = {"sample": 0, "sampled_sequences": 0}
+
+    def counts(self) -> dict[str, int]:
+        """floe `sample` calls made and sequences returned so far."""
+        return dict(self._counts)
+
+    def set_version_offset(self, offset: int) -> None:
+        self.offset = int(offset)
+
+    async def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
+                       image_data: Any = None, video_data: Any = None, **kwargs: Any) -> TokenOutput:
+        if image_data is not None or video_data is not None or kwargs.get("audio_data") is not None:
+            raise InvalidInput("image_data", "floe's verl rollout serves text-only models")
+        prompt = [int(t) for t in prompt_ids]
+        response_length, prompt_length, max_model_len = self.lengths
+        params = floe_sampling_params(sampling_params, len(prompt), response_length, prompt_length, max_model_len)
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._pending.append((prompt, params, future))
+        if self._runner is None or self._runner.done():
+            self._runner = asyncio.create_task(self._drain())
+        sample = await future
+        return TokenOutput(token_ids=sample.tokens, log_probs=sample.logprobs, stop_reason="completed",
+                           extra_fields={"global_steps": sample.weights_version - self.offset})
+
+    async def _drain(self) -> None:
+        while self._pending:
+            await asyncio.sleep(0.01)  # let the other requests of this round arrive
+            pending, self._pending = self._pending, []
+            by_params: dict[str, dict[tuple[int, ...], list[asyncio.Future]]] = defaultdict(lambda: defaultdict(list))
+            params_of: dict[str, floe.SamplingParams] = {}
+            for prompt, params, future in pending:
+                key = json.dumps(params.__dict__, sort_keys=True)
+                params_of[key] = params
+                by_params[key][tuple(prompt)].append(future)
+            for key, prompts in by_params.items():
+                by_n: dict[int, list[tuple[int, ...]]] = defaultdict(list)
+                for prompt, futures in prompts.items():
+                    by_n[len(futures)].append(prompt)
+                for n, group in by_n.items():
+                    try:
+                        result = await asyncio.to_thread(self.client.sample, [list(p) for p in group], n, params_of[key])
+                        self._counts["sample"] += 1
+                        self._counts["sampled_sequences"] += n * len(group)
+                    except Exception as e:  # noqa: BLE001 - every waiting request gets the error, none hangs
+                        for p in group:
+                            for f in prompts[p]:
+                                if not f.done():
+                                    f.set_exception(e)
+                        continue
+                    for p, sampled in zip(group, result.groups):
+                        for f, s in zip(prompts[p], sampled.samples):
+                            if not f.done():
+                                f.set_result(s)
+
+    async def wake_up(self) -> None: ...
+    async def sleep(self) -> None: ...
+    async def abort_all_requests(self, reject_request: bool = False) -> None: ...
+    async def resume_generation(self) -> None: ...
+    async def clear_kv_cache(self) -> None: ...
+    async def release_kv_cache(self) -> None: ...
+    async def resume_kv_cache(self) -> None: ...
+    async def start_profile(self, **kwargs: Any) -> None: ...
+    async def stop_profile(self) -> None: ...
+
+
+class FloeReplica(RolloutReplica):
+    """One rollout replica: one `FloeRolloutServer` on the trainer's floe backend."""
+
+    async def init_hybrid(self, worker_group: Any) -> None:
+        if not isinstance(worker_group, FloeWorkerGroup):
+            raise InvalidInput("trainer.v1.trainer_mode", "actor_rollout_ref.rollout.name=floe needs "
+                               "trainer.v1.trainer_mode=floe")
+        self.rollout_mode = RolloutMode.HYBRID
+        self._floe_connection = (worker_group.url, worker_group.token, worker_group.timeout_s)
+        await self.launch_servers()
+
+    async def init_standalone(self) -> None:
+        raise InvalidInput("actor_rollout_ref.rollout.name", "floe's rollout runs with trainer.v1.trainer_mode=floe only")
+
+    async def init_colocated(self, resource_pool: Any) -> None:
+        raise InvalidInput("actor_rollout_ref.rollout.name", "floe's rollout runs with trainer.v1.trainer_mode=floe only")
+
+    async def launch_servers(self) -> None:
+        url, token, timeout_s = self._floe_connection
+        cfg = self.config
+        server = FloeRolloutServer.options(
+            name=f"floe_rollout_{self.replica_rank}{self.name_suffix}", max_concurrency=self.max_concurrency, num_cpus=0,
+        ).remote(url, token, timeout_s, int(cfg.response_length), int(cfg.prompt_length),
+                 int(cfg.max_model_len) if getattr(cfg, "max_model_len", None) else None)
+        self.servers = [server]
+        self._server_handle = server
+        self._server_address = f"{url}#rollout-{self.replica_rank}"
+
+    def rollout_worker_use_gpu(self) -> bool:
+        return False
+
+
+RolloutReplicaRegistry.register("floe", lambda: FloeReplica)

@@ -1,0 +1,332 @@
+"""OpenAI-compatible sampling, served by the sampler zone (its latest synced weights).
+
+  GET  /v1/models
+  POST /v1/completions         prompt: string, list of strings, token ids, or list of token-id lists
+  POST /v1/chat/completions    messages rendered with the tokenizer's chat template
+
+This module owns the requests (which fields exist, what they mean as `floe.SamplingParams`),
+the routes, and OpenAI's error shape; answers are built by openai_render.py and concurrent
+requests are merged by floe.server.batching.
+
+Fields: the request models below list what is honoured. Standard OpenAI/vLLM fields that floe
+does not implement (penalties, `echo`, `response_format`, tools, ...) are accepted only at
+their no-op value and otherwise refused as "not supported" (`UNSUPPORTED`); any other field is
+an unknown parameter. Nothing is silently ignored. floe extensions: `top_k`, `ignore_eos`,
+`stop_token_ids` (as in vLLM), and in every choice `token_ids` (the generated ids, stop token
+included) and `prompt_token_ids`. `temperature: 0` is greedy decoding (floe.SamplingParams'
+greedy path: the argmax token, log-probs reported at temperature 1).
+
+Errors under /v1 are `{"error": {"message", "type", "param", "code"}}` (`openai_error_body`),
+with `param` the field as the user wrote it (`max_tokens`, `prompt[1]`, `messages[0].content`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from floe.backend.validation import MAX_TOP_LOGPROBS
+from floe.errors import InvalidInput
+from floe.server.batching import SampleBatcher
+from floe.server.errors import ApiError
+from floe.server.protocols.openai_render import Answer, Renderer, render, stream
+from floe.types import SampleResult, SamplingParams
+
+if TYPE_CHECKING:
+    from floe.server.app import ServerState
+
+PREFIX = "/v1"
+DEFAULT_MAX_TOKENS = 16  # completions, as in OpenAI's and vLLM's; chat defaults to the remaining context
+
+# Standard fields floe does not implement -> the values that mean "off" (accepted, as they
+# change nothing); any other value is refused naming the field.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "repetition_penalty": (None, 1),
+    "logit_bias": (None, {}), "min_p": (None, 0), "min_tokens": (None, 0), "best_of": (None, 1),
+    "echo": (None, False), "suffix": (None,), "response_format": (None, {"type": "text"}),
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "parallel_tool_calls": (None, True, False), "audio": (None,), "modalities": (None, ["text"]),
+    "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,), "store": (None, False),
+    "metadata": (None, {}), "service_tier": (None, "auto", "default"), "verbosity": (None,),
+    "prompt_cache_key": (None,), "use_beam_search": (None, False), "length_penalty": (None, 1),
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields both routes share. None = the default, as OpenAI treats null."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, description="default 1; 0 = greedy")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="floe/vLLM extension; 0 or -1 = off")
+    n: int | None = Field(None, ge=1, le=1024)
+    stop: Any = Field(default_factory=list, description="a string or a list of strings")
+    stop_token_ids: list[int] | None = Field(None, description="vLLM extension: more stop tokens")
+    ignore_eos: bool = Field(False, description="vLLM extension: do not stop at the end-of-sequence token")
+    seed: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, description="accepted for compatibility; not used")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: Any) -> list[str]:
+        items = [v] if isinstance(v, str) else v if v is not None else []
+        if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
+            raise ValueError("must be a non-empty string or a list of non-empty strings")
+        return items
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> _SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed with stream: true")
+        return self
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Any = Field(description="a string, a list of strings, a list of token ids, or a list of token-id lists")
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="log-probs of the sampled tokens and this many alternatives")
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Any
+    name: Any = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: Any) -> None:
+        if v is not None:
+            raise ValueError("is not supported (the chat template renders roles, not names); remove it")
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, v: Any) -> str:
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and all(isinstance(p, dict) for p in v):
+            for i, part in enumerate(v):
+                if part.get("type") != "text" or set(part) != {"type", "text"} or not isinstance(part["text"], str):
+                    raise ValueError(f"part {i}: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported")
+            return "".join(p["text"] for p in v)
+        raise ValueError("must be a string or a list of text parts")
+
+
+class ChatRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ChatRequest:
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ValueError("max_completion_tokens: give max_tokens or max_completion_tokens, not both")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
+        return self
+
+
+# -- requests -> sampling ----------------------------------------------------------------------
+
+
+def default_model_id(model: str) -> str:
+    """The id the endpoints serve when no `served_model_name` is set: a hub id as given, a
+    local directory by its name, a Hugging Face cache snapshot by its repo id."""
+    cached = re.search(r"models--([^/\\]+?)--([^/\\]+)[/\\]snapshots[/\\]", model)
+    if cached:
+        return f"{cached.group(1)}/{cached.group(2)}"
+    path = Path(model).expanduser()
+    if path.is_absolute() or path.exists() or model.startswith("."):
+        return path.resolve().name or model
+    return model
+
+
+def parse(model: type[BaseModel], raw: bytes) -> Any:
+    """The request model from a JSON body; ApiError(400) naming the field otherwise."""
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise ApiError(400, "invalid_json", "the body must be a JSON object") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "invalid_json", "the body must be a JSON object")
+    for name, neutral in UNSUPPORTED.items():
+        if name in data:
+            value = data.pop(name)
+            if not any(value == v and type(value) is type(v) for v in neutral):
+                allowed = " or ".join(json.dumps(v) for v in neutral)
+                raise ApiError(400, "unsupported_parameter",
+                               f"{name} is not supported by this server (floe); remove it or send {allowed}", name)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+
+
+def _validation_error(error: ValidationError) -> ApiError:
+    first = error.errors()[0]
+    path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"]).lstrip(".")
+    msg = str(first["msg"]).removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        return ApiError(400, "unknown_parameter", f"{path} is not a parameter of this endpoint; check the spelling", path)
+    if first["type"] == "missing":
+        return ApiError(400, "missing_required_parameter", f"{path} is required", path)
+    field, sep, rest = msg.partition(": ")  # a model validator names its field as "field: ..."
+    if not path and sep and re.fullmatch(r"\w+", field):
+        path, msg = field, rest
+    return ApiError(400, "invalid_value", msg, path or None)
+
+
+def completion_prompts(prompt: Any, tokenizer: Any) -> tuple[list[list[int]], bool]:
+    """Every accepted prompt form as a list of token-id lists (one group per prompt), and
+    whether the user gave a single prompt (errors then name `prompt`, else `prompt[i]`)."""
+    def is_ids(p: Any) -> bool:
+        return isinstance(p, list) and bool(p) and all(type(t) is int for t in p)
+
+    single = isinstance(prompt, str) or is_ids(prompt)
+    if single:
+        items = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt):
+        items = prompt
+    else:
+        raise ApiError(400, "invalid_value", "must be a non-empty string, a list of strings, a list of token ids, "
+                       "or a list of non-empty token-id lists", "prompt")
+    return [tokenizer(p)["input_ids"] if isinstance(p, str) else list(p) for p in items], single
+
+
+def sampling_params(req: _SamplingFields, max_tokens: int, top_logprobs: int) -> SamplingParams:
+    """The request as floe sampling parameters (`temperature: 0` is floe's greedy decoding)."""
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k is None else max(req.top_k, 0),
+        stop_token_ids=list(req.stop_token_ids or []),
+        stop=req.stop,
+        seed=req.seed,
+        stop_at_eos=not req.ignore_eos,
+        top_logprobs=top_logprobs,
+    )
+
+
+def user_field(field: str, fields: dict[str, str], prompt_field: Any) -> str:
+    """A backend field path (`params.max_tokens`, `prompts[1]`) as the user wrote it."""
+    if field.startswith("params."):
+        name = field.removeprefix("params.")
+        return fields.get(name, name)
+    match = re.match(r"prompts\[(\d+)\]", field)
+    if match:
+        return prompt_field(int(match.group(1)))
+    return field
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+
+
+def openai_error_body(error: ApiError) -> tuple[int, dict[str, Any]]:
+    """OpenAI's status and `{"error": {message, type, param, code}}` for a refusal; the
+    message names the field, so the openai SDK's exception text says what to fix."""
+    status = 400 if error.status == 422 else error.status
+    kind = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    message = error.message
+    if error.field and not message.startswith(error.field):
+        message = f"{error.field}: {message}"
+    return status, {"error": {"message": message, "type": kind, "param": error.field, "code": error.error}}
+
+
+def openai_error_response(error: ApiError) -> JSONResponse:
+    status, body = openai_error_body(error)
+    return JSONResponse(body, status_code=status)
+
+
+# -- routes ------------------------------------------------------------------------------------
+
+
+def openai_router(state: ServerState) -> APIRouter:
+    router = APIRouter(prefix=PREFIX)
+    backend = state.backend
+    tokenizer: Any = backend.tokenizer  # a transformers tokenizer; its stubs are narrower than its behaviour
+    config = state.config
+    batcher = SampleBatcher(
+        backend.sample, window_s=config.openai_batch_window_ms / 1000,
+        max_sequences=config.openai_batch_max_sequences, max_context=backend.max_context,
+    )
+    accepted_models = {state.model_name, backend.config.model}
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model not in accepted_models:
+            raise ApiError(404, "model_not_found", f"this server serves {state.model_name!r}, not {model!r}", "model")
+
+    async def sample(prompts: list[list[int]], n: int, params: SamplingParams, fields: dict[str, str],
+                     prompt_field: Any) -> SampleResult:
+        try:
+            result = await batcher.sample(prompts, n, params)
+        except InvalidInput as e:
+            raise ApiError(400, "invalid_value", e.message, user_field(e.field, fields, prompt_field)) from None
+        state.metrics.tokens_sampled.inc(result.num_tokens)
+        return result
+
+    def answer(req: _SamplingFields, ans: Answer) -> Any:
+        rn = Renderer(tokenizer, ans.stop)
+        if req.stream:
+            ans.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(stream(ans, rn), media_type="text/event-stream")
+        return render(ans, rn)
+
+    @router.get("/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0, "owned_by": "floe",
+                                            "max_model_len": backend.max_context}]}
+
+    @router.post("/completions")
+    async def completions(request: Request) -> Any:
+        req: CompletionRequest = parse(CompletionRequest, await request.body())
+        check_model(req.model)
+        prompts, single = completion_prompts(req.prompt, tokenizer)
+        params = sampling_params(req, req.max_tokens or DEFAULT_MAX_TOKENS, req.logprobs or 0)
+        fields = {"top_logprobs": "logprobs", "stop_at_eos": "ignore_eos"}
+        result = await sample(prompts, req.n or 1, params, fields, lambda i: "prompt" if single else f"prompt[{i}]")
+        return answer(req, Answer("completion", state.model_name, result, params.stop, req.logprobs is not None, req.logprobs or 0))
+
+    @router.post("/chat/completions")
+    async def chat(request: Request) -> Any:
+        req: ChatRequest = parse(ChatRequest, await request.body())
+        check_model(req.model)
+        if not getattr(tokenizer, "chat_template", None):
+            raise ApiError(400, "invalid_value", "the model's tokenizer has no chat template; use /v1/completions", "messages")
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in req.messages]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = tokenizer.encode(text, add_special_tokens=False)
+        limit_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        if max_tokens is None:  # as vLLM: whatever context the prompt leaves
+            max_tokens = backend.max_context - len(prompt)
+            limit_field = "messages"
+            if max_tokens < 1:
+                raise ApiError(400, "context_length_exceeded",
+                               f"the rendered prompt has {len(prompt)} tokens; the model's context is {backend.max_context}",
+                               "messages")
+        params = sampling_params(req, max_tokens, req.top_logprobs or 0)
+        fields = {"max_tokens": limit_field, "stop_at_eos": "ignore_eos"}
+        result = await sample([prompt], req.n or 1, params, fields, lambda i: "messages")
+        return answer(req, Answer("chat", state.model_name, result, params.stop, bool(req.logprobs), req.top_logprobs or 0))
+
+    return router

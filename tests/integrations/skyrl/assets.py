@@ -1,0 +1,29 @@
+"""Inputs for the SkyRL plugin's end-to-end runs: a tiny model and GSM8K-style parquet files.
+
+`make_parquet` writes rows in SkyRL's dataset format (chat `prompt`, `env_class`,
+`reward_spec.ground_truth`, `data_source`, `extra_info`) for generated two-number sums.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+
+def make_parquet(path: Path, rows: int, seed: int, env_class: str = "gsm8k_shaped") -> Path:
+    """`rows` questions "What is a + b?" with their answer as ground truth."""
+    import pandas as pd  # noqa: PLC0415 - only the SkyRL environment (which has pandas) writes these files
+    rng = random.Random(seed)
+    records = []
+    for i in range(rows):
+        a, b = rng.randrange(10, 50), rng.randrange(10, 50)
+        question = f"What is {a} + {b}? End with #### and the number."
+        records.append({
+            "data_source": "synthetic_gsm8k",
+            "prompt": [{"role": "user", "content": question}],
+            "env_class": env_class,
+            "reward_spec": {"method": "rule", "ground_truth": str(a + b)},
+            "extra_info": {"index": i},
+        })
+    pd.DataFrame(records).to_parquet(path)
+    return path

@@ -1,0 +1,123 @@
+"""One mini-batch in SkyRL's layout through SkyRL's own loss code and through floe: same loss,
+same gradients (relative error < 1e-5).
+
+SkyRL side (SkyRL 0.4.0's functions, in the SkyRL environment): the HF model scores the
+left-padded `sequences` as SkyRL's model wrapper does (position ids = cumsum(mask) - 1,
+temperature-scaled logits, the last R positions); the advantages are pre-scaled by
+`apply_loss_reduction_to_advantages_minibatch`; the loss is `PolicyLossRegistry`'s function
+plus `compute_approx_kl` + `masked_mean` (KL) or the masked entropy mean, as the worker adds
+them. floe side: the plugin's own `FloeDispatch.forward_backward` on an embedded backend built
+from the same model, whose policy gradients are then compared parameter by parameter.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+import floe
+from floe.models import make_tiny
+from tests.conftest import backend_of
+
+pytestmark = pytest.mark.skyrl
+
+ROWS = [([11, 12, 13, 14], [20, 21, 22, 23, 24]), ([11, 12, 13, 14], [25, 26]), ([30, 31], [32, 33, 34, 35, 36, 37]),
+        ([30, 31], [38, 39, 40])]  # two prompts, two samples each, ragged
+CASES = [
+    ("regular", "token_mean", {"use_kl_loss": True, "kl_loss_coef": 0.1}),
+    ("dual_clip", "sequence_mean", {"use_kl_loss": True, "kl_loss_coef": 0.05, "kl_estimator_type": "k2"}),
+    ("gspo", "sequence_mean", {"use_kl_loss": False}),
+    ("cispo", "seq_mean_token_sum_norm", {"use_kl_loss": False}),
+    ("regular", "prompt_mean", {"use_kl_loss": False, "use_entropy_loss": True, "entropy_loss_coef": 0.05}),
+]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("skyrl-eq") / "tiny", hidden_size=64, num_hidden_layers=2)
+
+
+def skyrl_cfg(loss_type: str, reduction: str, extra: dict):
+    from skyrl.train.config import SkyRLTrainConfig  # noqa: PLC0415 - SkyRL only exists in its own environment
+
+    args = [f"trainer.algorithm.policy_loss_type={loss_type}", f"trainer.algorithm.loss_reduction={reduction}",
+            "trainer.algorithm.eps_clip_low=0.1", "trainer.algorithm.eps_clip_high=0.15", "trainer.algorithm.clip_ratio_c=2.0",
+            "trainer.algorithm.max_seq_len=9", "trainer.algorithm.temperature=0.9", "trainer.micro_train_batch_size_per_gpu=4",
+            "trainer.algorithm.cispo.cispo_eps_clip_low=0.5", "trainer.algorithm.cispo.cispo_eps_clip_high=0.5"]
+    args += [f"trainer.algorithm.{k}={v}" for k, v in extra.items()]
+    return SkyRLTrainConfig.from_cli_overrides(args)
+
+
+@pytest.mark.parametrize(("loss_type", "reduction", "extra"), CASES)
+def test_skyrl_loss_and_gradients_match_floe(model_path: Path, loss_type: str, reduction: str, extra: dict) -> None:
+    # imports marked PLC0415: SkyRL only exists in its own environment (marker skyrl)
+    from dataclasses import asdict  # noqa: PLC0415
+
+    from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch  # noqa: PLC0415
+    from skyrl.backends.skyrl_train.utils.ppo_utils import (  # noqa: PLC0415
+        PolicyLossRegistry,
+        apply_loss_reduction_to_advantages_minibatch,
+        compute_approx_kl,
+    )
+    from skyrl.backends.skyrl_train.utils.torch_utils import masked_mean  # noqa: PLC0415
+    from skyrl.train.dataset.preprocess import convert_prompts_responses_to_batch_tensors  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    from floe.integrations.skyrl.dispatch import FloeDispatch  # noqa: PLC0415
+    from floe.integrations.skyrl.mapping import map_loss  # noqa: PLC0415
+
+    cfg = skyrl_cfg(loss_type, reduction, extra)
+    algo = cfg.trainer.algorithm
+    g = torch.Generator().manual_seed(7)
+    seq, att, resp, _, loss_mask, _, _, _ = convert_prompts_responses_to_batch_tensors(
+        0, [p for p, _ in ROWS], [r for _, r in ROWS], [[0.0] * len(r) for _, r in ROWS],
+        [[1] * len(r) for _, r in ROWS])
+    loss_mask = loss_mask.float()
+    loss_mask[0, -2] = 0.0  # one masked token inside a response
+    width = resp.shape[1]
+
+    # -- SkyRL: its model-wrapper scoring and its loss functions ----------------------------------
+    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+    model.eval()
+    pos = att.long().cumsum(-1) - 1
+    pos.masked_fill_(att == 0, 1)
+    logits = model(seq, attention_mask=att, position_ids=pos).logits.float() / algo.temperature
+    logsm = torch.log_softmax(logits[:, :-1], dim=-1)
+    logp = logsm.gather(-1, seq[:, 1:, None])[..., 0][:, -width:]
+    entropy = -(logsm.exp() * logsm).sum(-1)[:, -width:]
+    with torch.no_grad():
+        old = (logp + (torch.rand(logp.shape, generator=g) - 0.5) * 0.4) * resp
+        ref = (logp + (torch.rand(logp.shape, generator=g) - 0.5) * 0.6) * resp
+    adv = torch.tensor([[1.3], [-0.7], [0.4], [-1.1]]).expand(-1, width) * resp
+    adv_pre = apply_loss_reduction_to_advantages_minibatch(adv, loss_mask, reduction, micro_batch_size=4, max_seq_len=9,
+                                                           prompt_boundaries=[(0, 2), (2, 4)])
+    policy_loss, _ = PolicyLossRegistry.get(loss_type)(logp, old, adv_pre, config=algo, loss_mask=loss_mask)
+    total = policy_loss
+    if algo.use_kl_loss:
+        kl = compute_approx_kl(logp, ref, loss_mask=loss_mask, kl_estimator_type=algo.kl_estimator_type)
+        total = total + masked_mean(kl, loss_mask, dim=-1).mean() * algo.kl_loss_coef
+    if algo.use_entropy_loss:
+        total = total - masked_mean(entropy, loss_mask) * algo.entropy_loss_coef
+    total.backward()
+    skyrl_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    # -- floe through the plugin's dispatch ---------------------------------------------------------
+    data = TrainingInputBatch({"sequences": seq, "attention_mask": att, "response_mask": resp, "loss_mask": loss_mask,
+                               "advantages": adv_pre, "action_log_probs": old, "base_action_log_probs": ref})
+    data.metadata = {"response_length": width}
+    client = floe.connect(floe.BackendConfig(model=str(model_path), state_dir=str(model_path.parent / "states")))
+    try:
+        dispatch = FloeDispatch(cfg, client, map_loss(asdict(algo)), Counter(), None, None)  # type: ignore[arg-type]
+        out = dispatch.forward_backward("policy", data)
+        assert out.metrics["final_loss"] == pytest.approx(float(total.detach()), rel=1e-5, abs=1e-6)  # fp32 noise ~1e-7
+        policy = backend_of(client).policy.model
+        floe_grads = {n: p.grad for n, p in policy.named_parameters()}
+    finally:
+        client.close()
+    assert floe_grads.keys() == skyrl_grads.keys()
+    diff = torch.sqrt(sum(((floe_grads[n] - skyrl_grads[n]) ** 2).sum() for n in skyrl_grads))
+    norm = torch.sqrt(sum((skyrl_grads[n] ** 2).sum() for n in skyrl_grads))
+    assert norm > 0 and float(diff / norm) < 1e-5, (float(diff), float(norm))

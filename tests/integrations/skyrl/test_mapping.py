@@ -1,0 +1,202 @@
+"""SkyRL config -> floe mapping (floe.integrations.skyrl.mapping): core suite, no SkyRL import.
+
+Each honoured key maps to the floe value it means; each key floe cannot honour is refused with
+an InvalidInput naming the SkyRL key. The weighting test checks the algebra the plugin relies
+on: floe's loss with the plugin's weights and advantages equals SkyRL 0.4.0's loss (policy
+term on pre-scaled advantages, KL per-sequence token mean, entropy per micro-batch token mean,
+transcribed from skyrl.backends.skyrl_train.workers.worker) in value and gradient, for every
+loss reduction SkyRL applies to the advantages. The same check against SkyRL's own functions
+runs in the SkyRL environment (test_loss_equivalence.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import floe
+from floe.compute.losses import TokenInputs, compute_loss, resolve_loss
+from floe.errors import InvalidInput
+from floe.integrations.skyrl.mapping import floe_advantages, map_loss, map_optimizer, map_sampling, token_weights
+
+ALGO = {"policy_loss_type": "regular", "eps_clip_low": 0.2, "eps_clip_high": 0.28, "use_kl_loss": True,
+        "kl_loss_coef": 0.001, "kl_estimator_type": "k3", "temperature": 1.0, "advantage_estimator": "grpo",
+        "loss_reduction": "token_mean"}
+
+
+def test_default_grpo_recipe_maps_to_ppo_with_kl() -> None:
+    m = map_loss(ALGO)
+    assert m.loss == "ppo" and m.weighting == "kl" and m.temperature == 1.0
+    assert m.loss_config == {"aggregation": "sum", "clip_low": 0.2, "clip_high": 0.28,
+                             "kl": {"coef": 0.001, "estimator": "k3"}}
+    resolve_loss(m.loss, m.loss_config)  # floe accepts it as is
+
+
+@pytest.mark.parametrize(("extra", "loss", "expect"), [
+    ({"policy_loss_type": "dual_clip", "clip_ratio_c": 3.0}, "ppo", {"dual_clip": 3.0}),
+    ({"policy_loss_type": "gspo"}, "gspo", {"clip_low": 0.2, "clip_high": 0.28}),
+    ({"policy_loss_type": "cispo", "cispo": {"cispo_eps_clip_low": 1.0, "cispo_eps_clip_high": 4.0, "cispo_anchor": "old"}},
+     "cispo", {"clip_low": 1.0, "clip_high": 4.0}),
+    ({"policy_loss_type": "importance_sampling"}, "importance_sampling", {}),
+    ({"use_kl_loss": False, "use_entropy_loss": True, "entropy_loss_coef": 0.02}, "ppo", {"entropy": {"coef": 0.02}}),
+    ({"kl_estimator_type": "k1", "kl_loss_coef": 0.5}, "ppo", {"kl": {"coef": 0.5, "estimator": "k1"}}),
+])
+def test_each_loss_key_maps(extra: dict, loss: str, expect: dict) -> None:
+    m = map_loss({**ALGO, **extra})
+    assert m.loss == loss
+    for key, value in expect.items():
+        assert m.loss_config[key] == value
+    resolve_loss(m.loss, m.loss_config)
+
+
+def test_cross_entropy_is_a_plain_masked_sum() -> None:
+    m = map_loss({**ALGO, "policy_loss_type": "cross_entropy"})
+    assert (m.loss, m.loss_config, m.weighting) == ("cross_entropy", {"aggregation": "sum"}, "mask")
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ({"surprise": 1}, "trainer.algorithm.surprise"),
+    ({"policy_loss_type": "sapo"}, "trainer.algorithm.policy_loss_type"),
+    ({"policy_loss_type": "gspo", "advantage_estimator": "reinforce++", "gamma": 0.9}, "trainer.algorithm.policy_loss_type"),
+    ({"kl_estimator_type": "abs"}, "trainer.algorithm.kl_estimator_type"),
+    ({"use_tis": True}, "trainer.algorithm.use_tis"),
+    ({"tis_imp_ratio_cap": 2.0}, "trainer.algorithm.tis_imp_ratio_cap"),
+    ({"enable_sample_support_replay": True}, "trainer.algorithm.enable_sample_support_replay"),
+    ({"off_policy_correction": {"tis_ratio_type": "token"}}, "trainer.algorithm.off_policy_correction.tis_ratio_type"),
+    ({"policy_loss_type": "cispo", "cispo": {"cispo_anchor": "rollout"}}, "trainer.algorithm.cispo.cispo_anchor"),
+    ({"use_entropy_loss": True}, "trainer.algorithm.use_entropy_loss"),
+    ({"advantage_estimator": "gae"}, "trainer.algorithm.advantage_estimator"),
+    ({"temperature": None}, "trainer.algorithm.temperature"),
+    ({"policy_loss_type": "dual_clip", "clip_ratio_c": 1.0}, "trainer.algorithm.clip_ratio_c"),
+    ({"eps_clip_low": 1.5}, "trainer.algorithm.eps_clip_low"),
+    ({"kl_loss_coef": -1.0}, "trainer.algorithm.kl_loss_coef"),
+])
+def test_what_floe_cannot_honour_is_refused_by_name(extra: dict, field: str) -> None:
+    with pytest.raises(InvalidInput) as err:
+        map_loss({**ALGO, **extra})
+    assert err.value.field == field
+
+
+def test_refusals_outside_the_algorithm_block() -> None:
+    with pytest.raises(InvalidInput) as err:
+        map_loss(ALGO, has_critic=True)
+    assert err.value.field == "trainer.critic.model.path"
+    with pytest.raises(InvalidInput) as err:
+        map_loss({**ALGO, "use_kl_loss": False, "use_entropy_loss": True}, max_tokens_per_microbatch=4096)
+    assert err.value.field == "trainer.max_tokens_per_microbatch"
+
+
+def test_optimizer_mapping() -> None:
+    skyrl_default = {"lr": 1e-6, "adam_betas": [0.9, 0.999], "weight_decay": 0.01, "max_grad_norm": 1.0,
+                     "offload_after_step": True, "num_warmup_steps": 0, "scheduler": "constant_with_warmup"}
+    out = map_optimizer(skyrl_default)
+    assert out == {"lr": 1e-6, "betas": (0.9, 0.999), "weight_decay": 0.01, "grad_clip": 1.0, "schedule": "constant"}
+    floe.OptimizerConfig(**out)
+    cosine = map_optimizer({**skyrl_default, "scheduler": "cosine"}, total_steps=12)
+    assert floe.OptimizerConfig(**cosine).total_steps == 12 and cosine["min_lr_ratio"] == 0.0
+    for bad, field in (({"num_warmup_steps": 5}, "num_warmup_steps"), ({"scheduler": "polynomial"}, "scheduler"),
+                       ({"scheduler": "cosine"}, "scheduler"), ({"momentum": 0.9}, "momentum")):
+        with pytest.raises(InvalidInput) as err:
+            map_optimizer({**skyrl_default, **bad})
+        assert err.value.field == f"trainer.policy.optimizer_config.{field}"
+
+
+def test_sampling_mapping() -> None:
+    # exactly what SkyRL 0.4.0's get_vllm_sampling_params sends by default
+    skyrl = {"min_tokens": 1, "skip_special_tokens": True, "include_stop_str_in_output": True, "max_tokens": 16,
+             "temperature": 0.8, "top_p": 0.9, "top_k": -1, "min_p": 0.0, "logprobs": 1, "stop": None}
+    out = map_sampling(skyrl)
+    assert out == {"max_tokens": 16, "temperature": 0.8, "top_p": 0.9, "top_k": 0}
+    assert floe.SamplingParams(**out).top_k == 0
+    assert map_sampling({**skyrl, "stop": ["####"], "top_k": 5, "seed": 3}) == {**out, "top_k": 5, "stop": ["####"], "seed": 3}
+    for bad, field in (({"min_p": 0.1}, "min_p"), ({"min_tokens": 4}, "min_tokens"), ({"logprobs": 5}, "logprobs"),
+                       ({"repetition_penalty": 1.1}, "repetition_penalty"), ({"n": 2}, "n")):
+        with pytest.raises(InvalidInput) as err:
+            map_sampling({**skyrl, **bad})
+        assert err.value.field == f"sampling_params.{field}"
+
+
+# -- the weighting algebra ---------------------------------------------------------------------------
+
+
+def skyrl_prescale(adv: torch.Tensor, mask: torch.Tensor, reduction: str, max_seq_len: int, prompts: list[tuple[int, int]]) -> torch.Tensor:
+    """apply_loss_reduction_to_advantages_minibatch (SkyRL 0.4.0), transcribed."""
+    b = adv.shape[0]
+    if reduction == "token_mean":
+        return adv / mask.sum().clamp(min=1)
+    if reduction == "sequence_mean":
+        return adv / (b * mask.sum(dim=-1, keepdim=True).clamp(min=1))
+    if reduction == "seq_mean_token_sum_norm":
+        return adv / (b * max_seq_len)
+    out = torch.zeros_like(adv)
+    for s, e in prompts:  # prompt_mean
+        out[s:e] = adv[s:e] / (len(prompts) * mask[s:e].sum().clamp(min=1))
+    return out
+
+
+def skyrl_loss(logp, old, adv_pre, mask, ref, ent, clip, kl_coef, ent_coef, micro):
+    """SkyRL 0.4.0 worker loss for one mini-batch on one DP rank, transcribed: per micro-batch,
+    Σ m·ppo(A_pre) + (kl_coef·mean_i(Σ_t m·k3 / Σ_t m) − ent_coef·Σ m·H / Σ m)·(rows_mb / rows)."""
+    total = torch.zeros((), dtype=logp.dtype)
+    rows = logp.shape[0]
+    for s in range(0, rows, micro):
+        sl = slice(s, s + micro)
+        ratio = torch.exp(logp[sl] - old[sl])
+        pg = -torch.minimum(ratio * adv_pre[sl], ratio.clamp(1 - clip[0], 1 + clip[1]) * adv_pre[sl])
+        total = total + (pg * mask[sl]).sum()
+        d = ref[sl] - logp[sl]
+        k3 = (torch.exp(d) - d - 1) * mask[sl]
+        kl = ((k3 * mask[sl]).sum(-1) / mask[sl].sum(-1)).mean()
+        entropy = (ent[sl] * mask[sl]).sum() / mask[sl].sum()
+        total = total + (kl_coef * kl - ent_coef * entropy) * (logp[sl].shape[0] / rows)
+    return total
+
+
+@pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean"])
+@pytest.mark.parametrize("term", ["kl", "entropy", "mask"])
+def test_floe_weights_reproduce_skyrl_loss_and_gradient(reduction: str, term: str) -> None:
+    g = torch.Generator().manual_seed(hash((reduction, term)) % 2**31)
+    rows, width, micro = 6, 7, 4  # micro-batches of 4 and 2 rows: unequal, as in SkyRL
+    lengths = [7, 3, 5, 1, 6, 4]
+    mask = torch.zeros(rows, width, dtype=torch.float64)
+    for i, n in enumerate(lengths):
+        mask[i, width - n :] = 1.0
+    mask[2, width - 2] = 0.0  # a masked token inside a response
+    logp0 = -torch.rand(rows, width, generator=g, dtype=torch.float64) * 3
+    old = logp0 + (torch.rand(rows, width, generator=g, dtype=torch.float64) - 0.5) * 0.8  # both clip branches
+    ref = logp0 + (torch.rand(rows, width, generator=g, dtype=torch.float64) - 0.5)
+    ent0 = torch.rand(rows, width, generator=g, dtype=torch.float64) * 2
+    adv = (torch.randn(rows, 1, generator=g, dtype=torch.float64)).expand(rows, width).clone()
+    adv_pre = skyrl_prescale(adv, mask, reduction, max_seq_len=9, prompts=[(0, 2), (2, 4), (4, 6)])
+    clip = (0.2, 0.28)
+    kl_coef = 0.05 if term == "kl" else 0.0
+    ent_coef = 0.03 if term == "entropy" else 0.0
+
+    logp_a, ent_a = logp0.clone().requires_grad_(), ent0.clone().requires_grad_()
+    expected = skyrl_loss(logp_a, old, adv_pre, mask, ref, ent_a, clip, kl_coef, ent_coef, micro)
+    expected.backward()
+
+    algo = {**ALGO, "eps_clip_low": clip[0], "eps_clip_high": clip[1], "use_kl_loss": term == "kl",
+            "kl_loss_coef": kl_coef, "use_entropy_loss": term == "entropy", "entropy_loss_coef": ent_coef}
+    m = map_loss(algo)
+    assert m.weighting == term
+    w = token_weights(mask, m.weighting, micro)
+    a = floe_advantages(adv_pre, mask, w)
+
+    def flat(t: torch.Tensor) -> torch.Tensor:  # floe's view: each row's response tokens, concatenated
+        return torch.cat([t[i, width - n :] for i, n in enumerate(lengths)])
+
+    logp_b, ent_b = logp0.clone().requires_grad_(), ent0.clone().requires_grad_()
+    x = TokenInputs(
+        logp=flat(logp_b), weights=flat(w), scale=torch.ones(sum(lengths), dtype=torch.float64),
+        sample_index=torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]), num_samples=rows,
+        old_logp=flat(old), advantages=flat(a), ref_logp=flat(ref), entropy=flat(ent_b),
+    )
+    got, _ = compute_loss(resolve_loss(m.loss, m.loss_config), x)
+    got.backward()
+    assert math.isclose(float(got.detach()), float(expected.detach()), rel_tol=1e-9, abs_tol=1e-12)
+    assert torch.allclose(logp_b.grad, logp_a.grad, atol=1e-12)  # both 0 off the loss mask
+    if term == "entropy":
+        assert ent_b.grad is not None and torch.allclose(ent_b.grad, ent_a.grad, atol=1e-12)

@@ -1,0 +1,119 @@
+"""SkyRL's real entrypoint with the one-line switch to floe: 3 GRPO steps with eval, embedded
+and against a `floe serve` process on loopback.
+
+    python -m skyrl.train.entrypoints.main_base trainer.override_entrypoint=floe.integrations.skyrl.entrypoint ...
+
+runs SkyRL 0.4.0's own dataset, SkyRLGymGenerator, skyrl-gym environment, GRPO advantages,
+loss reduction and RayPPOTrainer loop on a tiny model. Asserted: exit 0; floe's call counts;
+SkyRL's own sampler-vs-trainer log-prob gap `policy/rollout_train_logprobs_abs_diff_mean`
+below 1e-4 at every step; a reward that depends on the model's output (non-zero, varying, so
+advantages and gradients are non-zero); eval metrics before training and at step 2.
+Runs only in the SkyRL environment (scripts/ci/skyrl.sh, marker `skyrl`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from floe.models import make_tiny
+from tests.integrations.skyrl.assets import make_parquet
+from tests.server.conftest import ServerProcess, free_port, write_config
+
+pytestmark = pytest.mark.skyrl
+
+REPO = Path(__file__).resolve().parents[3]
+STEPS = 3
+TRAIN_BATCH, MINI_BATCH, N_SAMPLES = 4, 2, 2
+RUN_TIMEOUT_S = 900
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("skyrl-assets")
+    return {
+        "model": make_tiny(root / "tiny", hidden_size=64, num_hidden_layers=2),
+        "train": make_parquet(root / "train.parquet", rows=24, seed=0),
+        "val": make_parquet(root / "val.parquet", rows=8, seed=1),
+    }
+
+
+def run_skyrl(assets: dict[str, Path], out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    """SkyRL's stock command line plus the override (and `extra` keys), under an outer timeout."""
+    cmd = [
+        sys.executable, "-m", "skyrl.train.entrypoints.main_base",
+        "trainer.override_entrypoint=floe.integrations.skyrl.entrypoint",
+        "floe.import_modules=[tests.integrations.skyrl.shaped_env]",
+        f"data.train_data=['{assets['train']}']", f"data.val_data=['{assets['val']}']",
+        f"trainer.policy.model.path={assets['model']}",
+        "trainer.placement.colocate_all=false", "trainer.strategy=fsdp", "trainer.flash_attn=false",
+        f"trainer.train_batch_size={TRAIN_BATCH}", f"trainer.policy_mini_batch_size={MINI_BATCH}",
+        "trainer.micro_train_batch_size_per_gpu=2", "trainer.micro_forward_batch_size_per_gpu=2",
+        "trainer.epochs=1", f"trainer.max_training_steps={STEPS}",
+        "trainer.eval_interval=2", "trainer.eval_before_train=true", "trainer.eval_batch_size=8",
+        "trainer.ckpt_interval=-1", "trainer.hf_save_interval=-1", "trainer.resume_mode=none",
+        f"trainer.ckpt_path={out / 'ckpt'}", f"trainer.export_path={out / 'export'}", f"trainer.log_path={out / 'logs'}",
+        "trainer.logger=console", "trainer.enable_ray_gpu_monitor=false", "trainer.max_prompt_length=192",
+        "trainer.algorithm.advantage_estimator=grpo", "trainer.algorithm.use_kl_loss=true",
+        "trainer.algorithm.kl_loss_coef=0.01", "trainer.policy.optimizer_config.lr=1e-3",
+        f"generator.n_samples_per_prompt={N_SAMPLES}", "generator.sampling_params.max_generate_length=16",
+        "generator.eval_sampling_params.max_generate_length=16",
+        "generator.inference_engine.enable_ray_prometheus_stats=false",
+        "environment.env_class=gsm8k_shaped", "environment.skyrl_gym.max_env_workers=1", "data.dataloader.num_workers=0",
+        *extra,
+    ]
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "CUDA_VISIBLE_DEVICES": "", "WANDB_MODE": "disabled", "RAY_DEDUP_LOGS": "0"}
+    proc = subprocess.run(["timeout", str(RUN_TIMEOUT_S), *cmd], check=False, cwd=REPO, env=env, capture_output=True, text=True)
+    (out / "run.log").write_text(proc.stdout + proc.stderr)
+    return proc
+
+
+def check_run(proc: subprocess.CompletedProcess[str], out: Path) -> dict[str, int]:
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    calls = json.loads((out / "export" / "floe_calls.json").read_text())
+    mini_batches = STEPS * TRAIN_BATCH // MINI_BATCH
+    assert calls["forward_backward"] == calls["optim_step"] == mini_batches, calls
+    # per step: one reference forward of the whole batch + one policy forward per mini-batch
+    assert calls["forward"] == STEPS * (1 + TRAIN_BATCH // MINI_BATCH), calls
+    assert calls["sync_weights"] == STEPS, calls  # after each step; the first sampler already has the weights
+    assert 0 < calls["sample"] <= STEPS * TRAIN_BATCH * N_SAMPLES + 3 * 8 * 1, calls
+
+    records = [json.loads(line) for line in (out / "export" / "floe_metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "policy/rollout_train_logprobs_abs_diff_mean" in r]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    for r in train:
+        assert r["policy/rollout_train_logprobs_abs_diff_mean"] < 1e-4, r
+        assert r["reward/avg_raw_reward"] > 0, r  # the shaped reward reads the model's text
+        assert r["policy/grad_norm"] > 0, r  # non-zero advantages reached the loss
+        assert r["policy/final_loss"] != 0, r
+    assert any(r["step"] == 0 and any(k.startswith("eval/") for k in r) for r in records)  # eval before training
+    assert any(r["step"] == 2 and any(k.startswith("eval/") for k in r) for r in records)  # eval_interval=2
+    return calls
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_skyrl_main_base_with_embedded_floe(assets: dict[str, Path], tmp_path: Path) -> None:
+    proc = run_skyrl(assets, tmp_path)
+    check_run(proc, tmp_path)
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 120)
+def test_skyrl_main_base_against_floe_serve(assets: dict[str, Path], tmp_path: Path) -> None:
+    port, token = free_port(), "skyrl-test-token"
+    config = write_config(tmp_path / "server.toml", assets["model"], tmp_path / "states")
+    server = ServerProcess(config, port, tmp_path / "server.log", token=token).wait_ready()
+    try:
+        proc = run_skyrl(assets, tmp_path, f"floe.url={server.url}", f"floe.token={token}")
+        check_run(proc, tmp_path)
+        assert server.alive()
+        info = server.client().info()
+        assert info.step == STEPS * TRAIN_BATCH // MINI_BATCH  # the server's policy took every optimizer step
+        assert info.sampler_version == STEPS  # the last sync carried SkyRL's step as the version
+    finally:
+        server.stop()

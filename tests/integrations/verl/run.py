@@ -1,0 +1,74 @@
+"""verl's real entrypoint, `python -m verl.trainer.main_ppo`, on floe: the command line of a
+stock GRPO recipe plus the two keys that switch it to floe, run under an outer timeout, and
+the per-step metrics parsed from verl's console logger."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).parent
+FLOE_SWITCH = ["trainer.v1.trainer_mode=floe", "actor_rollout_ref.rollout.name=floe"]
+
+
+def grpo_recipe(model: Path, train: Path, test: Path, out: Path, steps: int = 3, save_freq: int = -1) -> list[str]:
+    """A small GRPO recipe for verl's main_ppo (CPU-sized), validation before training and every 2 steps."""
+    return [
+        "trainer.device=cpu", "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
+        f"trainer.total_training_steps={steps}", "trainer.total_epochs=1",
+        "trainer.val_before_train=True", "trainer.test_freq=2", f"trainer.save_freq={save_freq}",
+        "trainer.logger=[console]", "trainer.resume_mode=disable", f"trainer.default_local_dir={out}/checkpoints",
+        f"data.train_files={train}", f"data.val_files={test}", "data.train_batch_size=4", "data.val_batch_size=8",
+        "data.max_prompt_length=192", "data.max_response_length=16", "data.dataloader_num_workers=0",
+        f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.actor.use_kl_loss=True",
+        "actor_rollout_ref.actor.kl_loss_coef=0.01", "actor_rollout_ref.actor.optim.lr=1e-3",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4", "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.response_length=16", "actor_rollout_ref.rollout.calculate_log_probs=True",
+        "actor_rollout_ref.rollout.agent.num_workers=1", "reward.num_workers=1",
+        "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=False",
+        f"reward.custom_reward_function.path={HERE / 'reward_fn.py'}", "reward.custom_reward_function.name=compute_score",
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+        "+ray_kwargs.ray_init.num_cpus=8", "+ray_kwargs.ray_init.include_dashboard=False",
+    ]
+
+
+@dataclass
+class Run:
+    returncode: int
+    seconds: float
+    log: str
+    steps: dict[int, dict[str, float]]  # verl's console metrics by training step
+
+
+_STEP = re.compile(r"step:(\d+) - (.*)")
+_PAIR = re.compile(r"([\w/@.\-]+):(-?[\d.]+(?:e[-+]?\d+)?|nan|inf)")
+
+
+def parse_steps(log: str) -> dict[int, dict[str, float]]:
+    """verl's console lines `step:N - key:value - key:value ...` -> {N: {key: value}}."""
+    steps: dict[int, dict[str, float]] = {}
+    for line in log.splitlines():
+        m = _STEP.search(re.sub(r"np\.\w+\(([^()]*)\)", r"\1", line))  # np.float64(0.5) -> 0.5
+        if m:
+            steps.setdefault(int(m.group(1)), {}).update({k: float(v) for k, v in _PAIR.findall(m.group(2))})
+    return steps
+
+
+def run_main_ppo(args: list[str], log_path: Path, timeout_s: int = 900) -> Run:
+    """`python -m verl.trainer.main_ppo ARGS` with floe's two keys; killed after `timeout_s`
+    (verl waits forever when an agent loop fails, so every run needs an outer timeout)."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "WANDB_MODE": "disabled", "RAY_DEDUP_LOGS": "0",
+           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    cmd = ["timeout", "-k", "30", str(timeout_s), sys.executable, "-m", "verl.trainer.main_ppo", *FLOE_SWITCH, *args]
+    start = time.monotonic()
+    with open(log_path, "wb") as out:
+        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, check=False)
+    log = log_path.read_text(errors="replace")
+    return Run(proc.returncode, time.monotonic() - start, log, parse_steps(log))
