@@ -30,8 +30,8 @@ from common import (
     model_arguments,
     progress_bar,
     summary,
-    tiny_model_dir,
     time_interleaved,
+    tiny_model_dir,
     write_json,
 )
 

@@ -30,7 +30,7 @@ import tempfile
 from typing import Any
 
 import torch
-from common import grpo_batch, model_arguments, progress_bar, summary, tiny_model_dir, time_interleaved, two_bar_chart, write_json
+from common import grpo_batch, model_arguments, progress_bar, summary, time_interleaved, tiny_model_dir, two_bar_chart, write_json
 
 from floe.backend.policy import PolicyZone
 from floe.compute.losses import resolve_loss

@@ -9,7 +9,6 @@ docs/img/<name>.png.
 from __future__ import annotations
 
 import argparse
-
 import json
 import os
 import platform

@@ -200,7 +200,6 @@ def test_norm_length_override(client):
 def test_gradients_accumulate_across_calls(client):
     """Two forward_backward calls with `sum` aggregation add up to one call on both batches."""
     backend = backend_of(client)
-    params = backend.policy.params
     a, b = make_batch(backend.vocab_size, 11), make_batch(backend.vocab_size, 12)
     client.forward_backward(floe.Batch(a.groups + b.groups), "ppo", {"aggregation": "sum"})
     together = take_grads(backend)

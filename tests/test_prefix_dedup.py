@@ -9,7 +9,9 @@ and entropies. An unsupported architecture (GPT-2) falls back to the padded path
 
 from __future__ import annotations
 
+import functools
 import logging
+import operator
 import random
 from pathlib import Path
 
@@ -42,10 +44,10 @@ def build_tiny(arch: str, path: Path) -> Path:
     if arch == "qwen3":
         return make_tiny(path, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
     tok = make_char_tokenizer()
-    common = dict(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-    )
+    common = {
+        "vocab_size": len(tok), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+    }
     if arch == "qwen2":
         cfg = Qwen2Config(**common, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     elif arch == "llama":
@@ -125,7 +127,7 @@ def test_dedup_gradients_equal_plain(model_dirs: dict[str, Path], arch: str, che
             zone.optimizer.zero_grad(set_to_none=True)
             assert _rel_err(g_dedup, g_ref) < 1e-5, (loss, aggregation)
             assert out.metrics["loss"] == pytest.approx(ref.metrics["loss"], rel=1e-5, abs=1e-7)
-            for lp_a, lp_b in zip(sum(out.logprobs, []), sum(ref.logprobs, [])):
+            for lp_a, lp_b in zip(functools.reduce(operator.iadd, out.logprobs, []), functools.reduce(operator.iadd, ref.logprobs, [])):
                 assert lp_a == pytest.approx(lp_b, abs=1e-5)
 
 
@@ -137,7 +139,7 @@ def test_dedup_forward_equals_plain(model_dirs: dict[str, Path], arch: str) -> N
         ref = score_batch(model, batch, 0.7, True, ComputeConfig(prefix_dedup="off"))
         out = score_batch(model, batch, 0.7, True, ComputeConfig(prefix_dedup="on", max_tokens_per_microbatch=30))
     assert out.entropy is not None and ref.entropy is not None
-    for a, b in zip(sum(out.logprobs, []) + sum(out.entropy, []), sum(ref.logprobs, []) + sum(ref.entropy, [])):
+    for a, b in zip(functools.reduce(operator.iadd, out.logprobs, []) + functools.reduce(operator.iadd, out.entropy, []), functools.reduce(operator.iadd, ref.logprobs, []) + functools.reduce(operator.iadd, ref.entropy, [])):
         assert a == pytest.approx(b, abs=1e-5)
 
 
@@ -153,7 +155,7 @@ def test_unsupported_arch_falls_back_and_logs(
     assert not any(mb.layout == "shared_prefix" for mb in plan_batch(batch, compute, uses_prefix_dedup(model, compute)))
     with torch.no_grad():
         out = score_batch(model, batch, 1.0, False, compute)
-    assert [len(lp) for lp in sum(out.logprobs, [])] == [len(s.tokens) for g in batch.groups for s in g.samples]
+    assert [len(lp) for lp in functools.reduce(operator.iadd, out.logprobs, [])] == [len(s.tokens) for g in batch.groups for s in g.samples]
 
 
 def test_auto_takes_dedup_only_where_it_pays(model_dirs: dict[str, Path]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -47,7 +48,7 @@ def test_lr_schedules():
     cos = OptimizerConfig(lr=1.0, schedule="cosine", warmup_steps=2, total_steps=12, min_lr_ratio=0.1)
     lrs = [lr_at(s, cos) for s in range(14)]
     assert lrs[:3] == [0.5, 1.0, 1.0]
-    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:]))
+    assert all(a >= b for a, b in itertools.pairwise(lrs[2:]))
     assert math.isclose(lrs[12], 0.1) and math.isclose(lrs[7], 0.55)
     with pytest.raises(ValueError, match="total_steps"):
         OptimizerConfig(schedule="cosine")

@@ -8,10 +8,10 @@ a silently ignored setting. `load_layers` deep-merges TOML files left to right a
 from __future__ import annotations
 
 import json
-import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, Union
 
+import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from floe.errors import InvalidInput
@@ -37,7 +37,7 @@ class OptimizerConfig(StrictModel):
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine floor, as a fraction of lr")
 
     @model_validator(mode="after")
-    def _cosine_needs_total(self) -> "OptimizerConfig":
+    def _cosine_needs_total(self) -> OptimizerConfig:
         if self.schedule == "cosine" and self.total_steps is None:
             raise ValueError("schedule='cosine' needs total_steps")
         return self

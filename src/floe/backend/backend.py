@@ -37,7 +37,7 @@ from floe.backend.state import (
 )
 from floe.backend.sync import InPlaceCopy, WeightSync, check_publishable, verify
 from floe.backend.validation import check_temperature, resolve_temperature, validate_batch, validate_prompts
-from floe.compute.losses import resolve_loss, loss_capabilities
+from floe.compute.losses import loss_capabilities, resolve_loss
 from floe.config import BackendConfig
 from floe.errors import InvalidInput, StateError
 from floe.models import load_model, load_tokenizer

@@ -60,7 +60,7 @@ class LossConfig(StrictModel):
     entropy: EntropyConfig = EntropyConfig()
 
     @model_validator(mode="after")
-    def _norm_length_only_for_sum_norm(self) -> "LossConfig":
+    def _norm_length_only_for_sum_norm(self) -> LossConfig:
         if self.norm_length is not None and self.aggregation != "seq_mean_token_sum_norm":
             raise ValueError("norm_length is only used by aggregation='seq_mean_token_sum_norm'")
         return self

@@ -255,7 +255,7 @@ class CostModel:
     part_overhead_flops: float
 
     @classmethod
-    def from_model(cls, model: PreTrainedModel) -> "CostModel":
+    def from_model(cls, model: PreTrainedModel) -> CostModel:
         cfg = model.config
         layers = model.get_decoder().layers
         trunk = sum(p.numel() for p in layers.parameters())
@@ -270,7 +270,7 @@ class CostModel:
         )
 
     @classmethod
-    def generic(cls, d: int = 2048, layers: int = 28, vocab: int = 151_936) -> "CostModel":
+    def generic(cls, d: int = 2048, layers: int = 28, vocab: int = 151_936) -> CostModel:
         """A typical dense decoder (about Qwen3-1.7B) when no model is at hand."""
         per_layer_token = 2.0 * 12 * d * d
         return cls(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import itertools
 import json
 import random
 import re
@@ -103,7 +104,7 @@ def turn_reward(completion: str, tag: str, expected: list[str], power: float) ->
         return 0.0, 0
     target = normalise("\n".join(expected))
     ratios = [difflib.SequenceMatcher(None, normalise(a), target).ratio() for a in attempts]
-    if any(later <= earlier for earlier, later in zip(ratios, ratios[1:])):
+    if any(later <= earlier for earlier, later in itertools.pairwise(ratios)):
         return 0.0, len(attempts)
     return ratios[-1] ** power, len(attempts)
 

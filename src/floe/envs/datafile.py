@@ -28,7 +28,7 @@ def read_rows(path: str, required: tuple[str, ...], option: str = "data_path") -
         raise ValueError(f"{option}: unsupported file type {suffix!r} for {path}; use .jsonl, .json or .parquet")
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
-            raise ValueError(f"{option}: row {i} of {path} is not an object")
+            raise ValueError(f"{option}: row {i} of {path} is not an object")  # noqa: TRY004 - bad file content, reported as a value error
         missing = [c for c in required if c not in row]
         if missing:
             raise ValueError(f"{option}: row {i} of {path} lacks column(s) {', '.join(missing)}")

@@ -120,9 +120,9 @@ SCHEMAS: dict[str, SchemaSpec] = {
             name="company",
             ddl=(
                 "CREATE TABLE departments (id INTEGER PRIMARY KEY, name TEXT NOT NULL, city TEXT NOT NULL)",
-                "CREATE TABLE employees (id INTEGER PRIMARY KEY, name TEXT NOT NULL, "
+                ("CREATE TABLE employees (id INTEGER PRIMARY KEY, name TEXT NOT NULL, "
                 "department_id INTEGER NOT NULL REFERENCES departments(id), salary INTEGER NOT NULL, "
-                "hire_year INTEGER NOT NULL)",
+                "hire_year INTEGER NOT NULL)"),
             ),
             columns={
                 "departments": ("id", "name", "city"),
@@ -134,11 +134,11 @@ SCHEMAS: dict[str, SchemaSpec] = {
             name="shop",
             ddl=(
                 "CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT NOT NULL, country TEXT NOT NULL)",
-                "CREATE TABLE products (id INTEGER PRIMARY KEY, name TEXT NOT NULL, category TEXT NOT NULL, "
-                "price INTEGER NOT NULL)",
-                "CREATE TABLE orders (id INTEGER PRIMARY KEY, customer_id INTEGER NOT NULL REFERENCES customers(id), "
+                ("CREATE TABLE products (id INTEGER PRIMARY KEY, name TEXT NOT NULL, category TEXT NOT NULL, "
+                "price INTEGER NOT NULL)"),
+                ("CREATE TABLE orders (id INTEGER PRIMARY KEY, customer_id INTEGER NOT NULL REFERENCES customers(id), "
                 "product_id INTEGER NOT NULL REFERENCES products(id), quantity INTEGER NOT NULL, "
-                "order_year INTEGER NOT NULL)",
+                "order_year INTEGER NOT NULL)"),
             ),
             columns={
                 "customers": ("id", "name", "country"),
@@ -150,12 +150,12 @@ SCHEMAS: dict[str, SchemaSpec] = {
         SchemaSpec(
             name="school",
             ddl=(
-                "CREATE TABLE students (id INTEGER PRIMARY KEY, name TEXT NOT NULL, grade INTEGER NOT NULL, "
-                "city TEXT NOT NULL)",
+                ("CREATE TABLE students (id INTEGER PRIMARY KEY, name TEXT NOT NULL, grade INTEGER NOT NULL, "
+                "city TEXT NOT NULL)"),
                 "CREATE TABLE courses (id INTEGER PRIMARY KEY, title TEXT NOT NULL, credits INTEGER NOT NULL)",
-                "CREATE TABLE enrollments (student_id INTEGER NOT NULL REFERENCES students(id), "
+                ("CREATE TABLE enrollments (student_id INTEGER NOT NULL REFERENCES students(id), "
                 "course_id INTEGER NOT NULL REFERENCES courses(id), score INTEGER NOT NULL, "
-                "PRIMARY KEY (student_id, course_id))",
+                "PRIMARY KEY (student_id, course_id))"),
             ),
             columns={
                 "students": ("id", "name", "grade", "city"),

@@ -40,8 +40,8 @@ def _company_in_department(rng: random.Random, rows: Rows) -> tuple[str, str]:
     dept = rng.choice(rows["departments"])["name"]
     return (
         f"Which employees work in the {dept} department?",
-        "SELECT e.name FROM employees e JOIN departments d ON e.department_id = d.id "
-        f"WHERE d.name = {_lit(dept)}",
+        ("SELECT e.name FROM employees e JOIN departments d ON e.department_id = d.id "
+        f"WHERE d.name = {_lit(dept)}"),
     )
 
 
@@ -49,8 +49,8 @@ def _company_city_of(rng: random.Random, rows: Rows) -> tuple[str, str]:
     name = rng.choice(rows["employees"])["name"]
     return (
         f"In which city is the department of {name}?",
-        "SELECT d.city FROM employees e JOIN departments d ON e.department_id = d.id "
-        f"WHERE e.name = {_lit(name)}",
+        ("SELECT d.city FROM employees e JOIN departments d ON e.department_id = d.id "
+        f"WHERE e.name = {_lit(name)}"),
     )
 
 
@@ -89,8 +89,8 @@ def _shop_customers_from(rng: random.Random, rows: Rows) -> tuple[str, str]:
     country = rng.choice(rows["customers"])["country"]
     return (
         f"Which customers from {country} have placed at least one order?",
-        "SELECT DISTINCT c.name FROM customers c JOIN orders o ON o.customer_id = c.id "
-        f"WHERE c.country = {_lit(country)}",
+        ("SELECT DISTINCT c.name FROM customers c JOIN orders o ON o.customer_id = c.id "
+        f"WHERE c.country = {_lit(country)}"),
     )
 
 
@@ -112,8 +112,8 @@ def _shop_spent_by(rng: random.Random, rows: Rows) -> tuple[str, str]:
     name = rows["customers"][rng.choice(buyers) - 1]["name"]
     return (
         f"How much has {name} spent in total (quantity times price)?",
-        "SELECT SUM(o.quantity * p.price) FROM orders o JOIN products p ON o.product_id = p.id "
-        f"JOIN customers c ON o.customer_id = c.id WHERE c.name = {_lit(name)}",
+        ("SELECT SUM(o.quantity * p.price) FROM orders o JOIN products p ON o.product_id = p.id "
+        f"JOIN customers c ON o.customer_id = c.id WHERE c.name = {_lit(name)}"),
     )
 
 
@@ -137,8 +137,8 @@ def _school_courses_of(rng: random.Random, rows: Rows) -> tuple[str, str]:
     name = rng.choice(rows["students"])["name"]
     return (
         f"Which courses is {name} enrolled in? Give the course titles.",
-        "SELECT c.title FROM enrollments e JOIN courses c ON e.course_id = c.id "
-        f"JOIN students s ON e.student_id = s.id WHERE s.name = {_lit(name)}",
+        ("SELECT c.title FROM enrollments e JOIN courses c ON e.course_id = c.id "
+        f"JOIN students s ON e.student_id = s.id WHERE s.name = {_lit(name)}"),
     )
 
 
@@ -155,8 +155,8 @@ def _school_best_in_course(rng: random.Random, rows: Rows) -> tuple[str, str]:
         f"Which student has the highest score in {title}?"
         if k == 1
         else f"Which {k} students have the highest scores in {title}?",
-        "SELECT s.name FROM enrollments e JOIN students s ON e.student_id = s.id "
-        f"JOIN courses c ON e.course_id = c.id WHERE c.title = {_lit(title)} ORDER BY e.score DESC LIMIT {k}",
+        ("SELECT s.name FROM enrollments e JOIN students s ON e.student_id = s.id "
+        f"JOIN courses c ON e.course_id = c.id WHERE c.title = {_lit(title)} ORDER BY e.score DESC LIMIT {k}"),
     )
 
 
