@@ -39,6 +39,7 @@ COMMAND_HELP = {
     "eval": "held-out reward (pass@k, maj@k) of a model or a run's checkpoint",
     "serve": "run the backend as an HTTP server",
     "plot": "PNG curves of a run's metrics",
+    "prime-trainer": "prime-rl's trainer on a `floe serve`: @ rl.toml @ recipes/prime_rl/floe.toml",
 }
 
 
@@ -268,12 +269,19 @@ def cmd_serve(argv: list[str]) -> int:
     return serve_main(argv)
 
 
-COMMANDS = {"train": cmd_train, "sft": cmd_sft, "eval": cmd_eval, "serve": cmd_serve, "plot": cmd_plot}
+def cmd_prime_trainer(argv: list[str]) -> int:
+    from floe.integrations.prime_rl.trainer import main as prime_trainer_main  # noqa: PLC0415 - msgspec, the client
+
+    return prime_trainer_main(argv)
+
+
+COMMANDS = {"train": cmd_train, "sft": cmd_sft, "eval": cmd_eval, "serve": cmd_serve, "plot": cmd_plot,
+            "prime-trainer": cmd_prime_trainer}
 
 
 def usage() -> str:
-    lines = [f"  {name:<6} {text}" for name, text in COMMAND_HELP.items()]
-    return "usage: floe {train,sft,eval,serve,plot} ... (floe COMMAND --help for each; floe --version)\n\n" + "\n".join(lines)
+    lines = [f"  {name:<13} {text}" for name, text in COMMAND_HELP.items()]
+    return "usage: floe {train,sft,eval,serve,plot,prime-trainer} ... (floe COMMAND --help for each; floe --version)\n\n" + "\n".join(lines)
 
 
 def version() -> str:

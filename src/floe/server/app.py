@@ -11,6 +11,9 @@
   /api/v1/...                the Tinker protocol (protocols/tinker/), X-API-Key auth
   /v1/...                    OpenAI-compatible sampling (protocols/openai.py); errors there
                              in OpenAI's shape, so the openai SDK shows them
+  /inference/v1/generate, /pause, /resume, /update_weights, /liveness
+                             vLLM's token-in/token-out API and the admin calls prime-rl's
+                             orchestrator makes around weight updates (protocols/vllm_compat.py)
 
 Everything but /health and /ready needs the bearer token when one is set; the check happens
 before the body is read. Operations run in a worker thread, in per-client sequence order
@@ -47,6 +50,7 @@ from floe.server.ordering import Ledger, Reply
 from floe.server.protocols.openai import PREFIX as OPENAI_PREFIX
 from floe.server.protocols.openai import default_model_id, openai_error_response, openai_router
 from floe.server.protocols.tinker import tinker_router
+from floe.server.protocols.vllm_compat import install as install_vllm_compat
 from floe.server.settings import ServerConfig
 
 log = logging.getLogger("floe.server")
@@ -201,6 +205,7 @@ def create_app(backend: Backend, config: ServerConfig) -> FastAPI:
 
     app.include_router(openai_router(state), dependencies=auth)
     app.include_router(tinker_router(state))  # own auth: X-API-Key (protocols/tinker/routes.py)
+    install_vllm_compat(app, state, auth)  # /inference/v1/generate, /pause, /resume, /update_weights (prime-rl)
     return app
 
 

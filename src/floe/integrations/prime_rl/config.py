@@ -1,0 +1,127 @@
+"""What `floe prime-trainer` reads from prime-rl's `@ rl.toml` layers.
+
+The same files configure prime-rl's orchestrator and inference server, so only these keys are
+read here; the `[floe]` table (the overlay, recipes/prime_rl/floe.toml) adds floe's own:
+
+  output_dir, run.name / run.dir      the run directory: <output_dir>/<run.dir or run.name>
+                                      ([floe] run_dir replaces it)
+  max_steps, trainer.max_steps        steps to train (the trainer's own wins)
+  trainer.loss                        mapped by loss_mapping.map_loss, or refused
+  rollout_transport, trainer.rollout_transport   must be type "filesystem"
+  weight_broadcast, trainer.weight_broadcast     must be type "filesystem" (the default)
+  trainer.model.lora                  refused (the server's backend decides LoRA)
+  trainer.optim, trainer.scheduler    refused: the optimizer belongs to `floe serve`'s backend
+
+  [floe] url ("http://127.0.0.1:7000"), token_env ("FLOE_TOKEN"), ranks (1: rank files per
+  step, the orchestrator's num_train_workers), poll_s (0.2), wait_timeout_s (None = forever),
+  run_dir, loss ({name, config}: a floe loss instead of trainer.loss)
+
+Every other `[trainer]` key tunes prime-rl's own torch trainer (compile, FSDP, activation
+checkpointing, ...); `ignored_trainer_keys` lists them and the trainer prints them at start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from floe.errors import InvalidInput
+from floe.integrations.prime_rl.loss_mapping import MappedLoss, map_loss, native_loss
+
+FLOE_KEYS = {"url", "token_env", "ranks", "poll_s", "wait_timeout_s", "run_dir", "loss"}
+READ_TRAINER_KEYS = {"loss", "max_steps", "rollout_transport", "weight_broadcast", "model", "output_dir"}
+
+
+@dataclass
+class PrimeTrainerConfig:
+    run_dir: Path
+    max_steps: int
+    loss: MappedLoss
+    url: str = "http://127.0.0.1:7000"
+    token_env: str = "FLOE_TOKEN"
+    ranks: int = 1
+    poll_s: float = 0.2
+    wait_timeout_s: float | None = None
+    ignored_trainer_keys: list[str] = field(default_factory=list)
+
+
+def _type_of(data: dict[str, Any], key: str) -> tuple[str, Any]:
+    trainer = data.get("trainer", {})
+    if isinstance(trainer.get(key), dict) and "type" in trainer[key]:
+        return f"trainer.{key}.type", trainer[key]["type"]
+    if isinstance(data.get(key), dict) and "type" in data[key]:
+        return f"{key}.type", data[key]["type"]
+    return f"{key}.type", None
+
+
+def _int(value: Any, field_name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidInput(field_name, f"must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def parse_config(data: dict[str, Any]) -> PrimeTrainerConfig:
+    """The trainer's settings from merged rl.toml layers; InvalidInput naming the first bad key."""
+    floe = dict(data.get("floe") or {})
+    for key in floe:
+        if key not in FLOE_KEYS:
+            raise InvalidInput(f"floe.{key}", f"unknown key; [floe] keys: {', '.join(sorted(FLOE_KEYS))}")
+    trainer = data.get("trainer") or {}
+    if not isinstance(trainer, dict):
+        raise InvalidInput("trainer", "must be a table")
+
+    if "run_dir" in floe:
+        run_dir = Path(floe["run_dir"])
+    else:
+        run = data.get("run") or {}
+        name = run.get("dir") or run.get("name")
+        if not name:
+            raise InvalidInput("run.name", "set the run's name (prime-rl otherwise makes one up with a random "
+                               "suffix the trainer cannot know), or [floe] run_dir")
+        run_dir = Path(data.get("output_dir", "outputs")) / str(name)
+
+    steps = trainer.get("max_steps", data.get("max_steps"))
+    if steps is None:
+        raise InvalidInput("max_steps", "set max_steps (or trainer.max_steps): how many steps to train")
+    max_steps = _int(steps, "trainer.max_steps" if "max_steps" in trainer else "max_steps", 1)
+
+    transport_field, transport = _type_of(data, "rollout_transport")
+    if transport != "filesystem":
+        raise InvalidInput(transport_field, f"is {transport or 'zmq (the default)'!r}; floe's trainer reads rollouts "
+                           "from the run directory: set [rollout_transport] type = \"filesystem\"")
+    broadcast_field, broadcast = _type_of(data, "weight_broadcast")
+    if broadcast not in (None, "filesystem"):
+        raise InvalidInput(broadcast_field, f"is {broadcast!r}; floe publishes steps as broadcasts/step_N/STABLE: "
+                           "use type = \"filesystem\"")
+    model = trainer.get("model") or {}
+    if model.get("lora") is not None:
+        raise InvalidInput("trainer.model.lora", "LoRA is set on `floe serve`'s backend, not by the trainer; remove it")
+    for key in ("optim", "scheduler"):
+        if key in trainer:
+            sub = next(iter(trainer[key]), "") if isinstance(trainer[key], dict) else ""
+            raise InvalidInput(f"trainer.{key}{'.' + sub if sub else ''}", "the optimizer and its schedule belong to "
+                               "`floe serve`'s backend ([optimizer] in its config); remove this key")
+
+    if "loss" in floe:
+        if not isinstance(floe["loss"], dict):
+            raise InvalidInput("floe.loss", "must be a table with `name` and `config`")
+        loss = native_loss(floe["loss"])
+    else:
+        loss = map_loss(trainer.get("loss"))
+
+    ranks = _int(floe.get("ranks", 1), "floe.ranks", 1)
+    poll = floe.get("poll_s", 0.2)
+    if isinstance(poll, bool) or not isinstance(poll, (int, float)) or poll <= 0:
+        raise InvalidInput("floe.poll_s", f"must be a number of seconds > 0, got {poll!r}")
+    timeout = floe.get("wait_timeout_s")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise InvalidInput("floe.wait_timeout_s", f"must be a number of seconds > 0, got {timeout!r}")
+    url = floe.get("url", "http://127.0.0.1:7000")
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise InvalidInput("floe.url", f"must be the http(s):// address of `floe serve`, got {url!r}")
+    ignored = sorted(f"trainer.{k}" for k in trainer if k not in READ_TRAINER_KEYS)
+    ignored += sorted(f"trainer.model.{k}" for k in model if k not in ("name", "lora"))
+    return PrimeTrainerConfig(run_dir=run_dir, max_steps=max_steps, loss=loss, url=url,
+                              token_env=str(floe.get("token_env", "FLOE_TOKEN")), ranks=ranks, poll_s=float(poll),
+                              wait_timeout_s=None if timeout is None else float(timeout), ignored_trainer_keys=ignored)

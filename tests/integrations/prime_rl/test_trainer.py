@@ -1,0 +1,159 @@
+"""`floe prime-trainer`'s loop on prime-rl's file formats: an orchestrator stand-in (orchestrator.py)
+writes 3 steps of rollouts, each after the previous step's STABLE marker, as prime-rl's does;
+the trainer trains them, publishes step_0..step_3 in order, and its loss equals both floe's
+native API and prime-rl's own formula on the same batch."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import floe
+from floe.errors import InvalidInput
+from floe.integrations.prime_rl.batch import to_floe_batch
+from floe.integrations.prime_rl.config import parse_config
+from floe.integrations.prime_rl.formats import STABLE, broadcast_dir, read_marker, read_micro_batches, rollout_path
+from floe.integrations.prime_rl.trainer import run
+from tests.integrations.prime_rl.orchestrator import make_samples, pack, write_step
+
+KL_TAU = 0.05
+
+
+def rl_toml(tmp_path: Path, **over) -> dict:
+    data = {"output_dir": str(tmp_path), "run": {"name": "run1"}, "max_steps": 3,
+            "rollout_transport": {"type": "filesystem"},
+            "trainer": {"loss": {"dppo_mask_low": 1.0, "dppo_mask_high": 1.0, "kl_tau": KL_TAU},
+                        "model": {"compile": {}}},
+            "floe": {"poll_s": 0.05, "wait_timeout_s": 120}}
+    data.update(over)
+    return data
+
+
+def test_three_steps_published_in_order_with_native_loss(make_client, tmp_path: Path) -> None:
+    cfg = parse_config(rl_toml(tmp_path))
+    run_dir = tmp_path / "run1"
+    assert cfg.run_dir == run_dir and cfg.ignored_trainer_keys == ["trainer.model.compile"]
+    trainer_client = make_client(seed=0)
+    orchestrator_client = trainer_client.fork()
+    seen: list[tuple[int, float]] = []
+    errors: list[BaseException] = []
+
+    def orchestrator() -> None:  # prime-rl's loop: wait for v{n-1}'s STABLE, sample with it, ship step n
+        try:
+            for step in range(1, 4):
+                marker = broadcast_dir(run_dir, step - 1) / STABLE
+                while not marker.exists():
+                    time.sleep(0.02)
+                seen.append((step - 1, time.monotonic()))
+                assert orchestrator_client.info().sampler_version == read_marker(marker.parent).weights_version
+                write_step(run_dir, step, orchestrator_client)
+        except BaseException as e:  # noqa: BLE001 - re-raised by the test thread
+            errors.append(e)
+
+    thread = threading.Thread(target=orchestrator)
+    thread.start()
+    lines: list[str] = []
+    reports = run(cfg, trainer_client, log=lines.append)
+    thread.join(60)
+    assert not errors, errors
+    assert [r.step for r in reports] == [1, 2, 3]
+    assert [s for s, _ in seen] == [0, 1, 2]
+    stables = [broadcast_dir(run_dir, s) / STABLE for s in range(4)]
+    assert all(p.exists() for p in stables)
+    mtimes = [p.stat().st_mtime_ns for p in stables]
+    assert mtimes == sorted(mtimes)
+    versions = [read_marker(p.parent).weights_version for p in stables]
+    assert versions == [versions[0] + s for s in range(4)]
+    assert trainer_client.info().step == 3 and trainer_client.info().sampler_version == versions[-1]
+    assert "not applied" in lines[0]
+
+    # Step 1 ran on the initial weights: a fresh backend on the same model must give the same loss
+    # through floe's native API, and prime-rl's formula on floe's forward log-probs must agree.
+    micro_batches = read_micro_batches(rollout_path(run_dir, 1, 0))
+    native = make_client(seed=0)
+    groups, n_tokens = [], 0
+    for mb in micro_batches:
+        start = 0
+        for length in mb.sequence_lengths:
+            ids, mask = mb.input_ids[start:start + length], mb.loss_mask[start:start + length]
+            live = [t for t, m in enumerate(mask) if m]
+            if live:
+                a, b = live[0], live[-1] + 1
+                n_tokens += len(live)
+                lps = mb.inference_logprobs[start + a:start + b]
+                groups.append(floe.Group(ids[:a], [floe.Sample(
+                    tokens=ids[a:b], logprobs=lps, advantage=mb.advantages[start + a:start + b],
+                    weights=[1.0 if m else 0.0 for m in mask[a:b]], ref_logprobs=lps, temperature=1.0)]))
+            start += length
+    batch = floe.Batch(groups)
+    fwd = native.forward(batch, temperature=1.0)
+    expected = 0.0
+    for group, lp in zip(batch.groups, fwd.logprobs):
+        s = group.samples[0]
+        logp = torch.tensor(lp[0], dtype=torch.float64)
+        log_r = logp - torch.tensor(s.logprobs, dtype=torch.float64)
+        w = torch.tensor(s.weights, dtype=torch.float64)
+        adv = torch.tensor(s.advantage, dtype=torch.float64)
+        expected += float((w * (-adv * torch.exp(log_r) + KL_TAU * log_r**2)).sum())  # prime-rl default_loss_fn
+    expected /= n_tokens  # / rl_scale
+    fb = native.forward_backward(batch, loss="importance_sampling",
+                                 loss_config={"aggregation": "token_mean", "kl": {"coef": 2 * KL_TAU, "estimator": "k2"}})
+    assert reports[0].rl_scale == n_tokens
+    assert reports[0].loss == pytest.approx(fb.metrics["loss"], abs=1e-6)
+    assert reports[0].loss == pytest.approx(expected, abs=1e-5)
+    assert abs(reports[0].loss) > 1e-4  # the comparison is not between zeros
+
+
+def test_packing_round_trip_and_refusals(make_client) -> None:
+    client = make_client(seed=0)
+    samples = make_samples(client, seed=7)
+    loss = parse_config(rl_toml(Path("/tmp"))).loss
+    step = to_floe_batch(pack(samples), loss)
+    assert step.samples == 4 and step.batch.num_samples == 4
+    assert step.rl_scale == sum(sum(s.mask) for s in samples)
+    # the multi-turn samples keep their env tokens at weight 0 inside the trained span
+    multi = step.batch.groups[-1].samples[-1]
+    assert 0.0 in multi.weights and multi.weights[0] > 0 and multi.weights[-1] > 0
+    bad = pack(samples)
+    bad[0].ce_weights = [1.0] * len(bad[0].input_ids)
+    with pytest.raises(InvalidInput) as e:
+        to_floe_batch(bad, loss)
+    assert e.value.field == "micro_batches[0].ce_weights"
+    bad = pack(samples)
+    bad[1].temperatures = [0.7 if i % 2 else 1.0 for i in range(len(bad[1].input_ids))]
+    with pytest.raises(InvalidInput) as e:
+        to_floe_batch(bad, loss)
+    assert e.value.field == "micro_batches[1].temperatures"
+
+
+@pytest.mark.parametrize(("over", "field"), [
+    ({"rollout_transport": {"type": "zmq"}}, "rollout_transport.type"),
+    ({"rollout_transport": {}}, "rollout_transport.type"),
+    ({"run": {}}, "run.name"),
+    ({"max_steps": 0}, "max_steps"),
+    ({"floe": {"urll": "x"}}, "floe.urll"),
+    ({"trainer": {"optim": {"lr": 1e-6}}}, "trainer.optim.lr"),
+    ({"trainer": {"model": {"lora": {"rank": 8}}}}, "trainer.model.lora"),
+    ({"trainer": {}}, "trainer.loss.dppo_mask_low"),
+])
+def test_config_refusals(tmp_path: Path, over: dict, field: str) -> None:
+    with pytest.raises(InvalidInput) as e:
+        parse_config(rl_toml(tmp_path, **over))
+    assert e.value.field == field
+
+
+def test_overlay_and_cli(tmp_path: Path, capsys) -> None:
+    from floe.cli import main
+    from floe.config import load_layers
+
+    root = Path(__file__).resolve().parents[3]
+    cfg = parse_config(load_layers([root / "recipes/prime_rl/floe.toml"], {"max_steps": 2}))
+    assert (cfg.loss.name, cfg.url, cfg.run_dir.name, cfg.max_steps) == ("importance_sampling", "http://127.0.0.1:8000", "floe-run", 2)
+    rl = tmp_path / "rl.toml"
+    rl.write_text('max_steps = 2\n[run]\nname = "x"\n[rollout_transport]\ntype = "zmq"\n')
+    assert main(["prime-trainer", "@", str(rl)]) == 2
+    assert "rollout_transport.type" in capsys.readouterr().err

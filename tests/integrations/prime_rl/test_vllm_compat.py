@@ -1,0 +1,91 @@
+"""The vLLM / prime-rl endpoints of `floe serve` over real HTTP: token-in/token-out generate with
+log-probs equal to the policy's forward, /v1/models' max_model_len, /pause holding sampling
+until /resume, /update_weights checking the published version, and field-named refusals."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+import floe
+from floe.integrations.prime_rl.formats import BroadcastMarker, publish
+
+
+def post(server, path: str, **kw) -> httpx.Response:
+    return httpx.post(server.url + path, headers=server.headers(), timeout=60, **kw)
+
+
+def test_generate_matches_policy_forward(prime_server) -> None:
+    prompt = [5, 9, 13, 2, 7]
+    r = post(prime_server, "/inference/v1/generate", json={
+        "model": "tiny", "token_ids": prompt,
+        "sampling_params": {"max_tokens": 6, "temperature": 0.8, "logprobs": 1, "stop_token_ids": [],
+                            "skip_special_tokens": False, "seed": 3, "repetition_penalty": 1.0}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["prompt_token_ids"] == prompt
+    choice = body["choices"][0]
+    assert choice["finish_reason"] in ("stop", "length") and len(choice["token_ids"]) >= 1
+    content = choice["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in choice["token_ids"]]
+    client = prime_server.client()
+    fwd = client.forward(floe.Batch([floe.Group(prompt, [floe.Sample(tokens=choice["token_ids"])])]), temperature=0.8)
+    for got, want in zip([c["logprob"] for c in content], fwd.logprobs[0][0]):
+        assert got == pytest.approx(want, abs=1e-4)
+    models = httpx.get(prime_server.url + "/v1/models", headers=prime_server.headers()).json()
+    assert models["data"][0]["max_model_len"] == client.info().max_context
+    client.close()
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({"token_ids": [5], "sampling_params": {"max_tokens": 2, "frequency_penalty": 0.5}}, "sampling_params.frequency_penalty"),
+    ({"token_ids": [5], "sampling_params": {"max_tokens": 2, "beam_width": 2}}, "sampling_params.beam_width"),
+    ({"token_ids": [], "sampling_params": {}}, "token_ids"),
+    ({"token_ids": [5], "features": {"x": 1}}, "features"),
+    ({"token_ids": [5], "sampling_params": {"max_tokens": 2}, "bogus": 1}, "bogus"),
+])
+def test_generate_refusals_name_the_field(prime_server, body, field) -> None:
+    r = post(prime_server, "/inference/v1/generate", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["field"] == field
+
+
+def test_pause_holds_sampling_until_resume(prime_server) -> None:
+    assert post(prime_server, "/pause", params={"mode": "keep", "clear_cache": "false"}).json() == {"status": "paused"}
+    done: list[float] = []
+
+    def generate() -> None:
+        r = post(prime_server, "/inference/v1/generate", json={"token_ids": [4, 5], "sampling_params": {"max_tokens": 2}})
+        assert r.status_code == 200
+        done.append(time.monotonic())
+
+    t = threading.Thread(target=generate)
+    t.start()
+    time.sleep(1.0)
+    assert not done  # held while paused
+    resumed = time.monotonic()
+    assert post(prime_server, "/resume").json() == {"status": "resumed"}
+    t.join(30)
+    assert done and done[0] >= resumed
+    assert post(prime_server, "/pause", params={"mode": "abort"}).status_code == 400
+
+
+def test_update_weights_checks_the_published_version(prime_server, tmp_path: Path) -> None:
+    client = prime_server.client()
+    info = client.info()
+    ok = publish(tmp_path, BroadcastMarker(step=1, weights_version=info.sampler_version, policy_step=info.step, model=info.model))
+    r = post(prime_server, "/update_weights", json={"weight_dir": str(ok)})
+    assert r.status_code == 200 and r.json()["step"] == 1
+    ahead = publish(tmp_path, BroadcastMarker(step=2, weights_version=info.sampler_version + 5, policy_step=0, model="m"))
+    assert post(prime_server, "/update_weights", json={"weight_dir": str(ahead)}).status_code == 409
+    r = post(prime_server, "/update_weights", json={"weight_dir": str(tmp_path / "nowhere")})
+    assert r.status_code == 400 and r.json()["field"] == "weight_dir"
+    assert post(prime_server, "/update_weights", json={}).status_code == 400
+    assert httpx.post(prime_server.url + "/pause").status_code == 401  # admin calls need the token
+    assert httpx.get(prime_server.url + "/health").json() == {"status": "ok"}
+    assert client.info().sampler_version == info.sampler_version  # nothing changed
+    client.close()
