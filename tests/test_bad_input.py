@@ -40,6 +40,10 @@ CASES = [
     ("nan advantage", lambda b: setattr(b.groups[0].samples[0], "advantage", math.nan), "ppo", {}, "batch.groups[0].samples[0].advantage"),
     ("inf per-token advantage", lambda b: b.groups[0].samples[1].advantage.__setitem__(0, math.inf), "ppo", {}, "batch.groups[0].samples[1].advantage[0]"),
     ("nan logprob", lambda b: b.groups[0].samples[0].logprobs.__setitem__(1, math.nan), "ppo", {}, "batch.groups[0].samples[0].logprobs[1]"),
+    ("positive logprobs", lambda b: setattr(b.groups[0].samples[1], "logprobs", [1.0]), "ppo", {}, "batch.groups[0].samples[1].logprobs[0]"),
+    ("logprob just past the tolerance", lambda b: b.groups[0].samples[0].logprobs.__setitem__(1, 2e-4), "ppo", {}, "batch.groups[0].samples[0].logprobs[1]"),
+    ("positive ref logprob", lambda b: b.groups[0].samples[0].ref_logprobs.__setitem__(1, 0.5), "ppo", {"kl": {"coef": 0.1}}, "batch.groups[0].samples[0].ref_logprobs[1]"),
+    ("huge int advantage", lambda b: setattr(b.groups[0].samples[0], "advantage", 10**400), "ppo", {}, "batch.groups[0].samples[0].advantage"),
     ("missing logprobs for ppo", lambda b: setattr(b.groups[0].samples[1], "logprobs", None), "ppo", {}, "batch.groups[0].samples[1].logprobs"),
     ("missing advantage", lambda b: setattr(b.groups[0].samples[1], "advantage", None), "importance_sampling", {}, "batch.groups[0].samples[1].advantage"),
     ("kl without ref logprobs", lambda b: None, "ppo", {"kl": {"coef": 0.1}}, "batch.groups[0].samples[1].ref_logprobs"),
@@ -84,6 +88,20 @@ def test_sample_and_forward_reject_bad_input(make_client):
         (lambda: client.sample([tok.encode("a")], params=floe.SamplingParams(stop_token_ids=[999])), "params.stop_token_ids"),
         (lambda: client.sample([tok.encode("a")], params=floe.SamplingParams(stop=[""])), "params.stop"),
         (lambda: client.sample([tok.encode("a")], n=1000), "n"),
+        (lambda: client.sample([[5]], n=2**70), "n"),
+        (lambda: client.sample([[5]], params=floe.SamplingParams(max_tokens=2, seed=2**70)), "params.seed"),
+        (lambda: client.sample([[5]], params=floe.SamplingParams(max_tokens=2, seed=2**63)), "params.seed"),
+        (lambda: client.sample([[5]], params=floe.SamplingParams(max_tokens=2, seed=-1)), "params.seed"),
+        (lambda: client.sample([[5]], params=floe.SamplingParams(max_tokens=2, top_k=2**70)), "params.top_k"),
+        (lambda: client.sample([[5]], params=floe.SamplingParams(max_tokens=2**70)), "params.max_tokens"),
+        (lambda: client.sample([[5]], params=floe.SamplingParams(max_tokens=2, stop_token_ids=[2**70])), "params.stop_token_ids"),
+        (lambda: client.sample([[5]], params=floe.SamplingParams(max_tokens=2, top_logprobs=2**70)), "params.top_logprobs"),
+        (lambda: client.sample([[5]], params=floe.SamplingParams(max_tokens=2, temperature=10**400)), "params.temperature"),
+        (lambda: client.sample([[5, 2**70]]), "prompts[0]"),
+        # a prompt that alone fills the context is the prompt's fault, not max_tokens'
+        (lambda: client.sample([[5] * 1100], params=floe.SamplingParams(max_tokens=2)), "prompts[0]"),
+        (lambda: client.sample([[5], [5] * 1024], params=floe.SamplingParams(max_tokens=2)), "prompts[1]"),
+        (lambda: client.sample([[5] * 1023], params=floe.SamplingParams(max_tokens=2)), "params.max_tokens"),
         (lambda: client.sample([tok.encode("a")], params=floe.SamplingParams(stop_at_eos="no")), "params.stop_at_eos"),
         (lambda: client.forward(good_batch(tok), with_entropy="false"), "with_entropy"),
         (lambda: client.forward(good_batch(tok), zone="critic"), "zone"),
@@ -108,3 +126,24 @@ def test_errors_say_how_to_fix(make_client):
     with pytest.raises(floe.InvalidInput, match="zone='reference'"):
         client.forward_backward(mutate(tok, lambda b: setattr(b.groups[0].samples[0], "ref_logprobs", None)), "ppo", {"kl": {"coef": 1.0}})
     assert "unknown key" in str(err.value) or "choose" in str(err.value)
+
+
+def test_integer_fields_at_their_bounds_are_accepted(make_client):
+    """The largest seed and a top_k past the vocabulary sample; the same seed repeats its tokens;
+    a prompt one token short of the context still gets its one token."""
+    client = make_client()
+    top = floe.SamplingParams(max_tokens=3, seed=2**63 - 1, top_k=2**31 - 1)
+    a, b = client.sample([[5]], params=top), client.sample([[5]], params=top)
+    assert a.groups[0].samples[0].tokens == b.groups[0].samples[0].tokens
+    assert len(client.sample([[5]], params=floe.SamplingParams(max_tokens=3, seed=0)).groups[0].samples[0].tokens) >= 1
+    long = client.sample([[5] * 1023], params=floe.SamplingParams(max_tokens=1, seed=1))
+    assert len(long.groups[0].samples[0].tokens) == 1
+
+
+def test_logprobs_within_float_noise_of_zero_are_accepted(make_client):
+    """A log-prob of a token with probability ~1 can round a hair above 0: up to 1e-4 passes."""
+    client = make_client()
+    tok = client.tokenizer()
+    batch = mutate(tok, lambda b: b.groups[0].samples[0].logprobs.__setitem__(0, 5e-5))
+    out = client.forward_backward(batch, "ppo")
+    assert out.loss == "ppo" and math.isfinite(out.metrics["loss"])

@@ -124,3 +124,67 @@ def test_an_existing_path_that_looks_like_an_address_is_a_model(tiny_model, tmp_
     monkeypatch.chdir(tmp_path)
     with floe.connect("tiny:7000") as client:
         assert client.info().model == "tiny:7000"
+
+
+def test_constructing_a_config_with_bad_input_is_one_invalid_input():
+    cases = [
+        ({"model": "m", "optimiser": {"lr": 1e-3}}, "BackendConfig.optimiser", "unknown key"),
+        ({"model": "m", "optimizer": {"lr": -1}}, "BackendConfig.optimizer.lr", "greater than 0"),
+        ({"model": "m", "dtype": "float16"}, "BackendConfig.dtype", 'use dtype = "bfloat16"'),
+        ({"model": "m", "compute": {"max_tokens_per_microbatch": 0}},
+         "BackendConfig.compute.max_tokens_per_microbatch", "greater than 0"),
+        ({"model": "m", "sampler": {"engine": {"name": "torch", "max_batch_sequences": 0}}},
+         "BackendConfig.sampler.engine.max_batch_sequences", "greater than 0"),
+        ({}, "BackendConfig.model", "missing"),
+    ]
+    for kwargs, field, words in cases:
+        with pytest.raises(floe.InvalidInput) as e:
+            BackendConfig(**kwargs)
+        assert isinstance(e.value, ValueError)
+        assert e.value.field == field and words in e.value.message, (kwargs, str(e.value))
+        assert "\n" not in str(e.value) and "errors.pydantic.dev" not in str(e.value)
+    with pytest.raises(floe.InvalidInput) as e:
+        floe.OptimizerConfig(lr=1e-3, schedule="cosine")  # a model validator's error, on a nested config class
+    assert e.value.field == "OptimizerConfig" and "needs total_steps" in e.value.message
+    # The direct-construction error names the class; parse_config still names the key path under `where`.
+    with pytest.raises(floe.InvalidInput) as e:
+        parse_config(BackendConfig, {"model": "m", "optimiser": {}}, "backend")
+    assert e.value.field == "backend.optimiser"
+    good = BackendConfig(model="m", optimizer={"lr": 1e-3}, sampler={"engine": {"max_batch_sequences": 4}})
+    assert good.optimizer.lr == 1e-3 and good.sampler.engine.max_batch_sequences == 4
+    assert good == BackendConfig.model_validate(good.model_dump())
+
+
+def test_assigning_a_bad_value_is_an_invalid_input_and_changes_nothing():
+    cfg = BackendConfig(model="m", optimizer={"lr": 1e-3})
+    with pytest.raises(floe.InvalidInput) as e:
+        cfg.optimizer.lr = -1.0
+    assert e.value.field == "OptimizerConfig.lr" and cfg.optimizer.lr == 1e-3
+    with pytest.raises(floe.InvalidInput) as e:
+        cfg.seed = "x"
+    assert e.value.field == "BackendConfig.seed" and cfg.seed == 0
+    cfg.seed = 7
+    assert cfg.seed == 7
+
+
+def test_connect_checks_model_and_device_before_loading_anything(tiny_model, tmp_path):
+    import torch
+
+    threads = torch.get_num_threads()
+    with pytest.raises(floe.InvalidInput) as e:
+        floe.connect(BackendConfig(model=str(tmp_path / "nonexistent"), num_threads=threads + 1))
+    assert e.value.field == "model" and e.value.message.startswith("no such model directory: ")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(floe.InvalidInput) as e:
+        floe.connect(BackendConfig(model=str(tmp_path / "empty")))
+    assert e.value.field == "model" and "has no config.json" in e.value.message
+    with pytest.raises(floe.InvalidInput) as e:
+        floe.connect(BackendConfig(model=str(tiny_model), reference={"checkpoint": str(tmp_path / "gone")}))
+    assert e.value.field == "reference.checkpoint" and "no such model directory" in e.value.message
+    # CUDA device 99 exists nowhere: a CPU-only torch says so, a CUDA torch counts its devices.
+    with pytest.raises(floe.InvalidInput) as e:
+        floe.connect(BackendConfig(model=str(tiny_model), device="cuda:99", num_threads=threads + 1))
+    assert e.value.field == "device" and e.value.message.startswith("'cuda:99'")
+    if not torch.cuda.is_available():
+        assert "is not available: torch" in e.value.message and "device='cpu'" in e.value.message
+    assert torch.get_num_threads() == threads  # refused before the backend touched torch's settings

@@ -50,6 +50,9 @@ PYEOF
   echo "skyrl.sh: environment built in $(( $(date +%s) - t0 )) s"
   touch "$VENV/.complete"
 fi
+# .ci/run builds every stack's environment concurrently first (FLOE_CI_BUILD_ONLY=1); the build
+# above touches nothing but $VENV, so those builds never collide.
+if [ -n "${FLOE_CI_BUILD_ONLY:-}" ]; then exit 0; fi
 
 "$VENV/bin/pip" install --quiet --no-deps -e .
 # floe's own requirements and test tools (already satisfied after the first run).

@@ -33,6 +33,9 @@ if [ ! -f "$VENV/.complete" ]; then
   touch "$VENV/.complete"
   echo "verifiers.sh: environment built in $(( $(date +%s) - t0 )) s"
 fi
+# .ci/run builds every stack's environment concurrently first (FLOE_CI_BUILD_ONLY=1); the build
+# above touches nothing but $VENV, so those builds never collide.
+if [ -n "${FLOE_CI_BUILD_ONLY:-}" ]; then exit 0; fi
 
 # floe itself (editable) with its test tools and the prime-rl extra (satisfied after the first run).
 "$VENV/bin/pip" install --quiet --no-deps -e .

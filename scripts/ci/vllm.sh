@@ -44,6 +44,9 @@ EOF
   "$VENV/bin/pip" install --quiet -r "$VENV/vllm-requirements.txt"
   touch "$VENV/.complete"
 fi
+# .ci/run builds every stack's environment concurrently first (FLOE_CI_BUILD_ONLY=1); the build
+# above touches nothing but $VENV, so those builds never collide.
+if [ -n "${FLOE_CI_BUILD_ONLY:-}" ]; then exit 0; fi
 
 "$VENV/bin/pip" install --quiet --no-deps -e .
 # floe's own requirements and test tools (already satisfied after the first run).

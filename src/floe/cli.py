@@ -138,7 +138,8 @@ def cmd_sft(argv: list[str]) -> int:
     if parsed is None:
         return 0
     recipe, opts = parsed
-    from floe.rl.preflight import check_model_source, check_recipe  # noqa: PLC0415
+    from floe.models.loading import check_model_source  # noqa: PLC0415
+    from floe.rl.preflight import check_recipe  # noqa: PLC0415
 
     if recipe.url is not None:
         raise InvalidInput("recipe.backend.url", "floe sft trains an embedded backend; drop backend.url")
@@ -168,7 +169,7 @@ def cmd_sft(argv: list[str]) -> int:
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.work-", dir=out.parent))
     try:
         base = recipe.model.path or str(make_tiny(work / "base", **recipe.model.tiny.make_tiny_kwargs()))
-        ui = RunProgress()
+        ui = RunProgress(sft_label="sft")  # this is the SFT itself, not a warm start before RL
         if rows is None:
             family = make_family(recipe.env.name, **recipe.env.options)
             sft_on_demonstrations(base, family, cfg, work, ui.warm_start, recipe.backend.get("num_threads"), out=out)

@@ -8,19 +8,46 @@ a silently ignored setting. `load_layers` deep-merges TOML files left to right a
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
 import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 from floe.errors import InvalidInput
 
 
 class StrictModel(BaseModel):
-    """Base for every floe config: unknown keys are errors; values are validated on assignment."""
+    """Base for every floe config: unknown keys are errors; values are validated on assignment.
+
+    Constructing a config directly (``BackendConfig(model=..., optimiser={...})``) or assigning
+    a field raises `InvalidInput` (a ValueError) whose field is ``<Class>.<key path>``, e.g.
+    ``BackendConfig.optimizer.lr``, instead of pydantic's multi-line ValidationError.
+    `model_validate` and nested validation are pydantic's own and still raise ValidationError,
+    which `parse_config` turns into an InvalidInput under its ``where``.
+    """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    if not TYPE_CHECKING:  # type checkers keep pydantic's typed constructor signature
+
+        def __init__(self, /, **data: Any) -> None:
+            try:
+                super().__init__(**data)
+            except ValidationError as e:
+                raise validation_to_invalid_input(e, type(self).__name__, type(self)) from None
+
+        # Pydantic calls an overridden __init__ for nested and `model_validate` validation too;
+        # this marks ours as the base one, so only a direct call converts the error (at the top).
+        __init__.__pydantic_base_init__ = True
+
+        def __setattr__(self, name: str, value: Any) -> None:
+            try:
+                super().__setattr__(name, value)
+            except ValidationError as e:
+                raise validation_to_invalid_input(e, type(self).__name__, type(self)) from None
 
 
 class OptimizerConfig(StrictModel):
@@ -241,12 +268,14 @@ def parse_config(model: type[M], data: dict[str, Any], where: str = "config") ->
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise validation_to_invalid_input(e, where) from None
+        raise validation_to_invalid_input(e, where, model) from None
 
 
-def validation_to_invalid_input(error: ValidationError, where: str) -> InvalidInput:
+def validation_to_invalid_input(error: ValidationError, where: str, model: type[BaseModel] | None = None) -> InvalidInput:
+    """The first error of `error` as InvalidInput(`where`.<key path>, message). With the `model`
+    that was validated, the path is the keys the user wrote (`error_loc`: no union tags)."""
     first = error.errors()[0]
-    loc = ".".join(str(p) for p in first["loc"])
+    loc = ".".join(str(p) for p in (first["loc"] if model is None else error_loc(model, first["loc"])))
     field = f"{where}.{loc}" if loc else where
     msg = first["msg"]
     if first["type"] == "extra_forbidden":
@@ -254,6 +283,47 @@ def validation_to_invalid_input(error: ValidationError, where: str) -> InvalidIn
     elif first["type"] == "missing":
         msg = "required key is missing"
     return InvalidInput(field, msg)
+
+
+def error_loc(model: type[BaseModel], loc: Sequence[int | str]) -> list[int | str]:
+    """`loc` of a validation error of `model` as the keys the user wrote: without the tag that
+    pydantic inserts after a field holding a union of models (the discriminator's value, e.g.
+    `sampler.engine.torch.nme` -> `sampler.engine.nme`, or a member's class name for an
+    undiscriminated union). Parts below a plain dict or list are kept as they are."""
+    out: list[int | str] = []
+    current: Any = model  # a model class, {tag: member class} at a union, or None (not walked)
+    for part in loc:
+        if isinstance(current, dict):
+            if isinstance(part, str) and part in current:
+                current = current[part]
+                continue
+            current = None
+        out.append(part)
+        if isinstance(current, type) and issubclass(current, BaseModel) and part in current.model_fields:
+            current = _walk_into(current.model_fields[part])
+        else:
+            current = None
+    return out
+
+
+def _walk_into(field: FieldInfo) -> Any:
+    """The model a field holds (also as Optional), {tag: member} when it holds a union of models
+    (tags: the discriminator's literal values, and each member's class name), else None."""
+    annotation = field.annotation
+    if get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    members = [a for a in get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+    if len(members) <= 1:
+        return members[0] if members else None
+    tags: dict[str, type[BaseModel]] = {m.__name__: m for m in members}
+    if isinstance(field.discriminator, str):
+        for m in members:
+            tag_field = m.model_fields.get(field.discriminator)
+            if tag_field is not None and get_origin(tag_field.annotation) is Literal:
+                tags.update({str(v): m for v in get_args(tag_field.annotation)})
+    return tags
 
 
 def split_recipe_args(args: list[str]) -> tuple[list[str], dict[str, Any], list[str]]:

@@ -10,8 +10,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+import floe
 from floe.cli import load_recipe, main
 from floe.envs import Task
+from floe.protocol.errors import RemoteError
 from floe.rl.evaluation import pass_and_majority
 from floe.rl.metrics import read_jsonl
 from floe.rl.rollouts import Episode, Turn
@@ -146,6 +150,19 @@ def test_train_drives_a_remote_backend_with_backend_url(recipe, tmp_path):
         client.close()
         wrong = run_floe("train", path, "--no-progress", "--backend.url", json.dumps(server.url),
                          "--backend.token", '"nope"', "--output.run_dir", json.dumps(str(tmp_path / "r2")))
-        assert wrong.returncode == 2 and "Traceback" not in wrong.stderr
+        assert wrong.returncode == 2 and wrong.stderr.strip() == (
+            f"floe train: error: recipe.backend.token: the floe serve at {server.url} refused the token (HTTP 401); "
+            "set backend.token (or $FLOE_TOKEN) to the token it was started with")
+        assert not (tmp_path / "r2").exists()  # a failed start creates nothing
+        before = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+        wrong = run_floe("train", path, "--no-progress", "--resume", "--train.steps", "4", "--backend.url",
+                         json.dumps(server.url), "--backend.token", '"nope"')
+        assert wrong.returncode == 2 and "recipe.backend.token: " in wrong.stderr
+        assert {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()} == before  # nor changes anything
+        library = floe.connect(server.url, token="nope")
+        with pytest.raises(RemoteError) as e:
+            library.info()
+        assert e.value.status == 401 and "set $FLOE_TOKEN or pass token= to floe.connect" in str(e.value)
+        library.close()
     finally:
         server.stop()

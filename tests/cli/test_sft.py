@@ -35,7 +35,10 @@ def test_sft_on_a_chat_jsonl_learns_the_assistant_turns(recipe, tmp_path, capsys
     out = tmp_path / "sft_chat"
     path = recipe(name="sft", extra=f'\n[sft]\ndata = "{data}"\n\n[warm_start]\nsteps = 15\nbatch_size = 2\nlr = 3e-3\nwarmup_steps = 0\n')
     assert main(["sft", path, "--out", str(out)]) == 0
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {"model": str(out)}
+    captured = capsys.readouterr()
+    assert json.loads(captured.out.strip().splitlines()[-1]) == {"model": str(out)}
+    assert "sft 1/15 loss " in captured.err and "sft 15/15 loss " in captured.err  # floe sft, not a warm start
+    assert "warm start" not in captured.err
     base = make_tiny(tmp_path / "base", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
     prompt = "<|user|>Say hi<|end|><|assistant|>"

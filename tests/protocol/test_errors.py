@@ -45,3 +45,16 @@ def test_other_failures_become_remote_errors() -> None:
     with pytest.raises(RemoteError) as e:
         raise_remote_error(502, None)  # not JSON at all
     assert (e.value.status, e.value.error, e.value.message) == (502, "http_error", "HTTP 502")
+
+
+def test_a_401_says_how_to_give_the_token() -> None:
+    with pytest.raises(RemoteError) as e:
+        raise_remote_error(401, {"error": "unauthorized", "message": "missing or wrong bearer token"})
+    assert (e.value.status, e.value.error) == (401, "unauthorized")
+    assert e.value.message == ("missing or wrong bearer token; set $FLOE_TOKEN or pass token= to floe.connect "
+                               "(backend.token in a recipe) to the server's token")
+    back = pickle.loads(pickle.dumps(e.value))
+    assert type(back) is RemoteError and str(back) == str(e.value) and vars(back) == vars(e.value)
+    with pytest.raises(RemoteError) as e:
+        raise_remote_error(403, {"error": "forbidden", "message": "no"})
+    assert e.value.message == "no"  # only a 401 is about the token

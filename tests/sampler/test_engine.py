@@ -94,7 +94,7 @@ def test_engine_config_is_a_union_on_name():
     assert SamplerConfig(engine={"name": "torch"}).engine.name == "torch"
     cases = [
         ({"engine": {"name": "nope"}}, "config.sampler.engine", "does not match"),
-        ({"engine": {"name": "torch", "max_batch_sequence": 2}}, "config.sampler.engine.torch.max_batch_sequence", "unknown key"),
+        ({"engine": {"name": "torch", "max_batch_sequence": 2}}, "config.sampler.engine.max_batch_sequence", "unknown key"),
         ({"engine": "torch"}, "config.sampler", "[sampler.engine] name"),
         ({"max_batch_sequences": 4}, "config.sampler", "[sampler.engine] name"),
     ]
@@ -109,10 +109,10 @@ def test_vllm_engine_config_is_a_union_member():
     assert isinstance(engine, VllmEngineConfig) and engine.tensor_parallel_size == 2 and engine.dtype == "bfloat16"
     assert engine.enable_prefix_caching and not engine.enable_sleep_mode and engine.kv_cache_memory_gib is None
     cases = [
-        ({"name": "vllm", "tensor_parallel_size": 0}, "config.sampler.engine.vllm.tensor_parallel_size"),
-        ({"name": "vllm", "dtype": "float16"}, "config.sampler.engine.vllm.dtype"),
-        ({"name": "vllm", "max_batch_sequences": 8}, "config.sampler.engine.vllm.max_batch_sequences"),
-        ({"name": "vllm", "gpu_memory_utilization": 1.5}, "config.sampler.engine.vllm.gpu_memory_utilization"),
+        ({"name": "vllm", "tensor_parallel_size": 0}, "config.sampler.engine.tensor_parallel_size"),
+        ({"name": "vllm", "dtype": "float16"}, "config.sampler.engine.dtype"),
+        ({"name": "vllm", "max_batch_sequences": 8}, "config.sampler.engine.max_batch_sequences"),
+        ({"name": "vllm", "gpu_memory_utilization": 1.5}, "config.sampler.engine.gpu_memory_utilization"),
     ]
     for engine_table, field in cases:
         with pytest.raises(floe.InvalidInput) as e:

@@ -1,14 +1,19 @@
 """OpenAI-compatible endpoints over plain HTTP: completions (text or token-id prompts), chat with
 the chat template, logprobs, greedy decoding, token ids in the answer, the short default model
-id, ignore_eos, chat's default max_tokens, and errors in OpenAI's shape naming the user's field."""
+id, ignore_eos, chat's default max_tokens, text offsets that index the returned text (special
+tokens included), and errors in OpenAI's shape naming the user's field."""
 
 from __future__ import annotations
+
+import json
 
 import httpx
 import pytest
 from transformers import AutoTokenizer
 
 from floe.server.protocols.openai import default_model_id
+from floe.server.protocols.openai_render import Answer, Renderer, render, stream
+from floe.types import SampledGroup, SampledSequence, SampleResult
 
 from .conftest import ServerProcess
 
@@ -93,6 +98,15 @@ def test_ignore_eos_keeps_sampling_past_the_eos_token(http: httpx.Client, server
     ("/v1/completions", {"prompt": 7}, 400, "prompt", "invalid_value", "token ids"),
     ("/v1/completions", {"stream_options": {"include_usage": True}}, 400, "stream_options", "invalid_value", "stream: true"),
     ("/v1/completions", {"model": "gpt-4"}, 404, "model", "model_not_found", "'tiny'"),
+    ("/v1/completions", {"seed": 2**70}, 400, "seed", "invalid_value", "[0, 2**63)"),
+    ("/v1/completions", {"seed": -1}, 400, "seed", "invalid_value", "[0, 2**63)"),
+    ("/v1/chat/completions", {"seed": 2**63}, 400, "seed", "invalid_value", "[0, 2**63)"),
+    ("/v1/completions", {"top_k": 2**70}, 400, "top_k", "invalid_value", "integer in [0, 2147483648)"),
+    ("/v1/completions", {"prompt": [5] * 1100, "max_tokens": 2}, 400, "prompt", "context_length_exceeded", "no room"),
+    ("/v1/completions", {"prompt": [[5], [5] * 1024], "max_tokens": 2}, 400, "prompt[1]", "context_length_exceeded", "1024 tokens"),
+    ("/v1/completions", {"prompt": [5] * 1023, "max_tokens": 2}, 400, "max_tokens", "invalid_value", "exceeds the context"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * 1100}], "max_tokens": 2}, 400, "messages",
+     "context_length_exceeded", "no room"),
 ])
 def test_errors_have_openai_shape_and_the_users_field(
     http: httpx.Client, route: str, extra: dict, status: int, param: str, code: str, words: str
@@ -130,3 +144,58 @@ def test_default_model_id_is_short(tmp_path) -> None:
     assert default_model_id(str(tmp_path / "my-model") + "/") == "my-model"
     snapshot = "/root/.cache/huggingface/hub/models--Qwen--Qwen3-0.6B/snapshots/0123abcd"
     assert default_model_id(snapshot) == "Qwen/Qwen3-0.6B"
+
+
+# -- text offsets ---------------------------------------------------------------------------------
+
+
+def _offset_slices(text: str, offsets: list[int]) -> list[str]:
+    """Each token's contribution to `text` according to its text offsets."""
+    ends = [*offsets[1:], len(text)]
+    return [text[a:b] for a, b in zip(offsets, ends)]
+
+
+@pytest.mark.parametrize("pieces, stop_reason, stop, text, offsets", [
+    # the reviewer's answer: two special tokens in the middle contribute nothing
+    (["j", "<eos>", "<|user|>", "r", "*", "4"], "length", [], "jr*4", [0, 1, 1, 1, 2, 3]),
+    # special tokens first, and a final stop token (not part of the text)
+    (["<|user|>", "a", "b", "<|end|>"], "stop_token", [], "ab", [0, 0, 1, 2]),
+    # the text is cut before a stop string: the tokens past the cut add nothing
+    (["a", "x", "y", "b"], "stop_string", ["xy"], "a", [0, 1, 1, 1]),
+])
+def test_text_offsets_index_the_returned_text(server_model, pieces, stop_reason, stop, text, offsets) -> None:
+    tok = AutoTokenizer.from_pretrained(server_model)
+    ids = tok.convert_tokens_to_ids(pieces)
+    assert tok.unk_token_id not in ids  # every piece is one real token of the tiny vocabulary
+    seq = SampledSequence(ids, [-1.0] * len(ids), stop_reason, 0, 1.0)
+    answer = Answer("completion", "tiny", SampleResult([SampledGroup([5], [seq])], 0, len(ids), 0.0), stop, True, 0)
+    choice = render(answer, Renderer(tok, stop))["choices"][0]
+    assert choice["text"] == text
+    assert choice["logprobs"]["tokens"] == pieces  # special tokens are still listed, as sampled
+    assert choice["logprobs"]["text_offset"] == offsets
+    assert "".join(_offset_slices(text, offsets)) == text
+    # streamed: the same offsets, one per chunk, each where its chunk's text starts
+    chunks = [json.loads(e.removeprefix("data: ")) for e in stream(answer, Renderer(tok, stop)) if "[DONE]" not in e]
+    chunks = [c["choices"][0] for c in chunks if c["choices"]]
+    assert [c["logprobs"]["text_offset"][0] for c in chunks] == offsets
+    assert [c["text"] for c in chunks] == _offset_slices(text, offsets)
+
+
+def test_text_offsets_over_http_cover_the_text_exactly(http: httpx.Client, server_model) -> None:
+    """Sampled answers (special tokens included) with logprobs: for every token i,
+    text[offset_i:offset_(i+1)] is what it adds, and special tokens add nothing."""
+    tok = AutoTokenizer.from_pretrained(server_model)
+    special = set(tok.all_special_ids) | {i for i in range(len(tok)) if tok.decode([i], skip_special_tokens=True) == ""}
+    r = http.post("/v1/completions", json={"prompt": "abc", "max_tokens": 16, "n": 8, "seed": 2, "logprobs": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    seen_special = 0
+    for choice in r.json()["choices"]:
+        text, offsets = choice["text"], choice["logprobs"]["text_offset"]
+        assert len(offsets) == len(choice["token_ids"]) and offsets == sorted(offsets) and offsets[-1] <= len(text)
+        slices = _offset_slices(text, offsets)
+        assert "".join(slices) == text
+        for token, piece in zip(choice["token_ids"], slices):
+            if token in special:
+                seen_special += 1
+                assert piece == ""
+    assert seen_special > 0  # the check above met special tokens

@@ -41,6 +41,7 @@ from floe.compute.losses import loss_capabilities, resolve_loss
 from floe.config import BackendConfig
 from floe.errors import InvalidInput, StateError
 from floe.models import load_model, load_tokenizer
+from floe.models.loading import check_device, check_model_source
 from floe.sampler import EngineSource, build_engine
 from floe.sampler.registry import engine_start_seconds
 from floe.types import (
@@ -75,6 +76,13 @@ class Backend:
     """All zones of one model in this process, behind the operations of the client API."""
 
     def __init__(self, config: BackendConfig):
+        """Load the model into every zone. Before anything loads (or torch's threads and seed
+        change), InvalidInput("device") for a device this torch cannot use and InvalidInput
+        ("model" / "reference.checkpoint") for a model source that is not there."""
+        check_device(config.device)
+        check_model_source(config.model)
+        if config.reference.enabled and config.reference.checkpoint:
+            check_model_source(config.reference.checkpoint, "reference.checkpoint")
         self.config = config
         if config.num_threads is not None:
             # Small models on few cores run faster single-threaded than with oversubscribed

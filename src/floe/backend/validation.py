@@ -14,6 +14,26 @@ from floe.errors import InvalidInput
 from floe.types import Batch, Group, Sample, SamplingParams
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token a sample call may ask for (OpenAI's limit)
+SEED_LIMIT = 2**63  # seeds are in [0, 2**63): they seed a 64-bit torch generator
+COUNT_LIMIT = 2**31  # top_k and n are below this (32-bit counts); larger values mean nothing more
+# A sampling log-prob above this is refused: log-probs are <= 0, and float noise of a token with
+# probability ~1 stays far below 1e-4.
+LOGPROB_TOLERANCE = 1e-4
+
+
+def _is_finite_number(value: Any) -> bool:
+    """An int or float (not bool) that converts to a finite float (huge ints do not)."""
+    if type(value) not in (int, float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond float's range
+        return False
+
+
+def _is_int_in(value: Any, lo: int, hi: int) -> bool:
+    """An int (not bool) with lo <= value < hi."""
+    return type(value) is int and lo <= value < hi
 
 
 def _check_token_list(field: str, tokens: Any, vocab_size: int) -> None:
@@ -36,8 +56,19 @@ def _check_floats(field: str, values: Any, length: int) -> None:
     if len(values) != length:
         raise InvalidInput(field, f"has {len(values)} values but the sample has {length} tokens")
     for i, v in enumerate(values):
-        if type(v) not in (int, float) or not math.isfinite(v):
+        if not _is_finite_number(v):
             raise InvalidInput(f"{field}[{i}]", f"must be a finite number, got {v!r}")
+
+
+def _check_logprobs(field: str, values: list[float]) -> None:
+    """Log-probs (already finite numbers) are <= 0, up to LOGPROB_TOLERANCE of float noise."""
+    for i, v in enumerate(values):
+        if v > LOGPROB_TOLERANCE:
+            raise InvalidInput(
+                f"{field}[{i}]",
+                f"is {v!r}, but a log-probability is <= 0 (a probability <= 1; {LOGPROB_TOLERANCE} of float "
+                "noise is allowed); pass the log-probs of the sampled tokens, not probabilities or logits",
+            )
 
 
 def validate_batch(
@@ -75,6 +106,8 @@ def _validate_sample(
         value = getattr(sample, name)
         if value is not None:
             _check_floats(f"{sf}.{name}", value, n)
+            if name != "weights":
+                _check_logprobs(f"{sf}.{name}", value)
     if sample.weights is not None and min(sample.weights) < 0:
         # Weights scale and mask tokens; a negative one would make the mean denominators meaningless.
         raise InvalidInput(f"{sf}.weights", "must be >= 0 (a per-token scale or 0/1 mask); put signs in the advantage")
@@ -86,7 +119,7 @@ def _validate_sample(
     if sample.advantage is not None:
         if isinstance(sample.advantage, list):
             _check_floats(f"{sf}.advantage", sample.advantage, n)
-        elif type(sample.advantage) not in (int, float) or not math.isfinite(sample.advantage):
+        elif not _is_finite_number(sample.advantage):
             raise InvalidInput(f"{sf}.advantage", f"must be a finite number or a per-token list, got {sample.advantage!r}")
     if loss is None:
         return
@@ -106,7 +139,7 @@ def _validate_sample(
 
 
 def _is_positive_finite(value: Any) -> bool:
-    return type(value) in (int, float) and 0 < value < math.inf
+    return _is_finite_number(value) and value > 0
 
 
 def check_temperature(temperature: Any) -> float | None:
@@ -155,13 +188,26 @@ def resolve_temperature(batch: Batch, temperature: float | None, where: str = "b
 
 
 def validate_prompts(prompts: Any, n: Any, params: Any, vocab_size: int, max_context: int) -> None:
+    """A sample call's prompts (token ids in [0, vocab_size)), `n` (in [1, 2**31)) and params.
+
+    A prompt of max_context tokens or more leaves no room to generate: InvalidInput names it
+    (`prompts[i]`). Prompts that fit but not with `params.max_tokens` more name
+    `params.max_tokens`.
+    """
     if not isinstance(prompts, list) or not prompts:
         raise InvalidInput("prompts", "must be a non-empty list of token-id lists")
     for i, p in enumerate(prompts):
         _check_token_list(f"prompts[{i}]", p, vocab_size)
-    if type(n) is not int or n < 1:
-        raise InvalidInput("n", f"must be an integer >= 1, got {n!r}")
+    if not _is_int_in(n, 1, COUNT_LIMIT):
+        raise InvalidInput("n", f"must be an integer in [1, {COUNT_LIMIT}), got {n!r}")
     validate_sampling_params(params, vocab_size)
+    for i, p in enumerate(prompts):
+        if len(p) >= max_context:
+            raise InvalidInput(
+                f"prompts[{i}]",
+                f"has {len(p)} tokens; the model's context is {max_context}, which leaves no room to generate: "
+                "shorten the prompt",
+            )
     longest = max(len(p) for p in prompts)
     if longest + params.max_tokens > max_context:
         raise InvalidInput(
@@ -171,18 +217,26 @@ def validate_prompts(prompts: Any, n: Any, params: Any, vocab_size: int, max_con
 
 
 def validate_sampling_params(params: Any, vocab_size: int) -> None:
+    """Every field of `params` in range (see floe.SamplingParams); InvalidInput("params.<field>").
+
+    Integer fields are bounded so none overflows the sampler: seed in [0, 2**63), top_k in
+    [0, 2**31), stop token ids in [0, vocab_size), top_logprobs in [0, 20]; max_tokens >= 1
+    (bounded by the context in validate_prompts).
+    """
     if not isinstance(params, SamplingParams):
         raise InvalidInput("params", f"must be floe.SamplingParams, got {type(params).__name__}")
     if type(params.max_tokens) is not int or params.max_tokens < 1:
         raise InvalidInput("params.max_tokens", f"must be an integer >= 1, got {params.max_tokens!r}")
-    if type(params.temperature) not in (int, float) or not 0 <= params.temperature < math.inf:
+    if not _is_finite_number(params.temperature) or params.temperature < 0:
         raise InvalidInput(
             "params.temperature", f"must be a finite number >= 0 (0 = greedy), got {params.temperature!r}"
         )
     if type(params.top_p) not in (int, float) or not 0 < params.top_p <= 1:
         raise InvalidInput("params.top_p", f"must be in (0, 1], got {params.top_p!r}")
-    if type(params.top_k) is not int or params.top_k < 0:
-        raise InvalidInput("params.top_k", f"must be an integer >= 0 (0 = off), got {params.top_k!r}")
+    if not _is_int_in(params.top_k, 0, COUNT_LIMIT):
+        raise InvalidInput(
+            "params.top_k", f"must be an integer in [0, {COUNT_LIMIT}) (0 = off), got {params.top_k!r}"
+        )
     if not isinstance(params.stop_token_ids, list) or not all(
         type(t) is int and 0 <= t < vocab_size for t in params.stop_token_ids
     ):
@@ -191,8 +245,10 @@ def validate_sampling_params(params: Any, vocab_size: int) -> None:
         raise InvalidInput("params.stop", "must be a list of non-empty strings")
     if type(params.stop_at_eos) is not bool:
         raise InvalidInput("params.stop_at_eos", f"must be true or false, got {params.stop_at_eos!r}")
-    if params.seed is not None and type(params.seed) is not int:
-        raise InvalidInput("params.seed", f"must be an integer or None, got {params.seed!r}")
+    if params.seed is not None and not _is_int_in(params.seed, 0, SEED_LIMIT):
+        raise InvalidInput(
+            "params.seed", f"must be an integer in [0, 2**63) or None (a seed drawn per call), got {params.seed!r}"
+        )
     if type(params.top_logprobs) is not int or not 0 <= params.top_logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidInput(
             "params.top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}] (0 = none), got {params.top_logprobs!r}"

@@ -4,7 +4,8 @@ Each transport has a client id (a uuid) and numbers its calls 1, 2, 3, ... (head
 X-Floe-Client, X-Floe-Seq), so the server runs them in order and answers a retried call from
 its cache instead of running it twice. Connection failures and 502/503/504 are retried with
 exponential backoff, the same request id and the same bytes, until the call's `timeout`
-(seconds, all attempts included) runs out. Server-side InvalidInput and StateError are raised
+(seconds, all attempts included) runs out; the first retry of a transport logs one warning
+(logger "floe.client"), so a caller sees why a call is slow. Server-side InvalidInput and StateError are raised
 here unchanged (same field, same message), so client code behaves as with an embedded backend.
 A call that fails with RemoteUnavailable moves the transport to a fresh stream (new client id,
 sequence from 1): the server may never have seen that number, and later calls would wait for it.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import itertools
+import logging
 import os
 import tempfile
 import threading
@@ -28,6 +30,7 @@ from floe.protocol import wire
 from floe.protocol.errors import RemoteUnavailable, raise_remote_error
 
 RETRY_STATUSES = frozenset({502, 503, 504})
+log = logging.getLogger("floe.client")
 
 
 class HttpTransport:
@@ -62,6 +65,7 @@ class HttpTransport:
         self._seq = itertools.count(1)
         self._seq_lock = threading.Lock()
         self._tokenizer: Any = None
+        self._warned_retry = False  # the retry warning is logged once per transport
 
     def call(self, op: str, **kwargs: Any) -> Any:
         """Run `op` on the server; raises what the backend raised (InvalidInput, StateError),
@@ -111,6 +115,9 @@ class HttpTransport:
                 failure = f"HTTP {response.status_code}"
             if time.monotonic() + delay >= deadline:
                 raise RemoteUnavailable(f"{method} {self.url}{path} failed {attempt} times within {self.timeout:g}s; last: {failure}")
+            if not self._warned_retry:
+                self._warned_retry = True
+                log.warning("cannot reach %s (%s), retrying until %gs", self.url, failure, self.timeout)
             time.sleep(delay)
             delay = min(delay * 2, self.backoff_max)
         raise AssertionError("unreachable")

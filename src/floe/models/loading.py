@@ -5,9 +5,17 @@ This module owns the choice of attention implementation (`BackendConfig.attn_imp
 transformers itself would choose), decided from the model class's `_supports_*` flags before
 any weight is read; an explicit choice the architecture or this machine cannot run is an
 `InvalidInput` that names the ones it can.
+
+It also owns the checks that run before anything loads (`check_device`, `check_model_source`),
+shared by the Backend's start-up and the CLI's preflight (`floe.rl.preflight`), so a wrong
+device or model path is one InvalidInput line naming the field and the fix.
 """
 
 from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
 
 import torch
 import transformers
@@ -19,6 +27,8 @@ from floe.errors import InvalidInput
 
 transformers.utils.logging.disable_progress_bar()  # floe shows its own progress
 
+HUB_TIMEOUT_S = 10.0  # how long `check_model_source` waits for the hub to answer
+_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Implementation name -> the model-class flag that says the architecture supports it.
@@ -37,6 +47,68 @@ def resolve_dtype(name: str) -> torch.dtype:
         return _DTYPES[name]
     except KeyError:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}") from None
+
+
+def check_device(device: str, field: str = "device", cpu_hint: str = "device='cpu'") -> None:
+    """InvalidInput(field, ...) when ``device`` names an accelerator this torch build cannot use.
+
+    "cpu" (and any device that is neither CUDA nor MPS) passes unchecked. ``cpu_hint`` is how
+    the caller's user picks the CPU instead (the CLI says "--backend.device cpu").
+    """
+    kind = device.split(":", 1)[0]
+    if kind not in ("cuda", "mps"):
+        return
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}, but no GPU is visible"
+            raise InvalidInput(field, f"{device!r} is not available: torch {torch.__version__} is {build}; "
+                                      f"use {cpu_hint}, or install a CUDA build of torch")
+        index = device.split(":", 1)[1] if ":" in device else "0"
+        if not index.isdigit() or int(index) >= torch.cuda.device_count():
+            raise InvalidInput(field, f"{device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif not torch.backends.mps.is_available():
+        raise InvalidInput(field, f"{device!r} is not available on this machine; use {cpu_hint}")
+
+
+def check_model_source(path: str, field: str = "model") -> None:
+    """InvalidInput(field, ...) unless ``path`` is a model directory (with a config.json), or a hub
+    id that is cached locally or that the hub answers for within HUB_TIMEOUT_S seconds.
+
+    Nothing is downloaded. A hub id not in the cache with HF_HUB_OFFLINE (or
+    TRANSFORMERS_OFFLINE) set, unknown to the hub, gated, or unreachable is an error that says so.
+    """
+    local = Path(path).expanduser()
+    if local.exists():
+        if not (local / "config.json").is_file():
+            raise InvalidInput(field, f"{path} is not a Hugging Face model directory (it has no config.json)")
+        return
+    if path.startswith((".", "/", "~")) or not _REPO_ID.fullmatch(path):
+        raise InvalidInput(field, f"no such model directory: {path}; give an existing directory or a hub id like Qwen/Qwen3-0.6B")
+    from huggingface_hub import try_to_load_from_cache  # noqa: PLC0415 - only for hub ids
+
+    if isinstance(try_to_load_from_cache(path, "config.json"), str):
+        return
+    if _truthy(os.environ.get("HF_HUB_OFFLINE")) or _truthy(os.environ.get("TRANSFORMERS_OFFLINE")):
+        raise InvalidInput(field, f"{path!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; "
+                                  "download it first (hf download) or give a local directory")
+    from huggingface_hub import HfApi, constants  # noqa: PLC0415
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError  # noqa: PLC0415
+
+    try:
+        HfApi().model_info(path, timeout=HUB_TIMEOUT_S)
+    except GatedRepoError:
+        raise InvalidInput(field, f"{path!r} is gated on the hub; accept its terms and log in (hf auth login)") from None
+    except RepositoryNotFoundError:
+        raise InvalidInput(field, f"no model {path!r} on the Hugging Face hub (or it is private: log in); "
+                                  "check the name or give a local directory") from None
+    except Exception as e:  # noqa: BLE001 - any network failure means the same to the user
+        reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        raise InvalidInput(field, f"cannot reach the Hugging Face hub ({constants.ENDPOINT}) to fetch {path!r}: {reason}; "
+                                  "check the network, or give a local directory") from None
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def causal_lm_class(config: PretrainedConfig, path: str, trust_remote_code: bool = False) -> type[PreTrainedModel]:

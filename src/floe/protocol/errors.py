@@ -64,12 +64,18 @@ def _body(error: str, message: str, field: str | None = None) -> dict[str, Any]:
     return out
 
 
+UNAUTHORIZED_FIX = "set $FLOE_TOKEN or pass token= to floe.connect (backend.token in a recipe) to the server's token"
+
+
 def raise_remote_error(status: int, body: Any) -> NoReturn:
     """Re-raise a server's error body as the exception the in-process backend would raise:
-    InvalidInput (same field and message), StateError, else RemoteError(status, code, message)."""
+    InvalidInput (same field and message), StateError, else RemoteError(status, code, message).
+    A 401's message ends with the fix (UNAUTHORIZED_FIX)."""
     if not isinstance(body, dict):
         body = {}
     error, message, field = str(body.get("error", "http_error")), str(body.get("message", "")), body.get("field")
+    if status == 401:
+        message = f"{message or 'unauthorized'}; {UNAUTHORIZED_FIX}"
     if error in ("invalid_input", "bad_request") and isinstance(field, str):
         raise InvalidInput(field, message)
     if error == "state_error":

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, Field, ValidationError, create_model, model_validator
 
 from floe.compute.losses import LOSSES, LossConfig, loss_names
-from floe.config import BackendConfig, StrictModel, apply_override, deep_merge, load_layers
+from floe.config import BackendConfig, StrictModel, apply_override, deep_merge, error_loc, load_layers
 from floe.envs.registry import validate_options
 from floe.errors import InvalidInput
 
@@ -170,6 +170,17 @@ class EvalConfig(StrictModel):
     seed: int = 1234
     pass_reward: float = Field(1.0, description="an episode passes (pass@k, maj@k) when its reward is at least this")
 
+    @model_validator(mode="after")
+    def _several_samples_need_sampling(self) -> EvalConfig:
+        if self.greedy and self.samples_per_task > 1:
+            raise InvalidInput(
+                "samples_per_task",
+                f"{self.samples_per_task} episodes per task with greedy decoding are {self.samples_per_task} identical "
+                "answers (pass@k would be pass@1); set eval.greedy = false to sample them at eval.temperature, "
+                "or samples_per_task = 1",
+            )
+        return self
+
 
 class OutputConfig(StrictModel):
     run_dir: str = "runs/run"
@@ -208,6 +219,9 @@ class Recipe(StrictModel):
         for key in REMOTE_KEYS:
             if key in self.backend and not isinstance(self.backend[key], str):
                 raise InvalidInput(f"backend.{key}", f"must be a string, got {self.backend[key]!r}")
+        url = self.backend.get("url")
+        if url is not None and not url.startswith(("http://", "https://")):
+            raise InvalidInput("backend.url", f"{url!r} needs a scheme: http://{url} (the address of a floe serve)")
         if "token" in self.backend and "url" not in self.backend:
             raise InvalidInput("backend.token", "only used with backend.url (a remote backend)")
         local = {k: v for k, v in self.backend.items() if k not in REMOTE_KEYS}
@@ -248,7 +262,7 @@ class Recipe(StrictModel):
 def _backend_error(err: Any) -> InvalidInput:
     """A BackendConfig validation error as InvalidInput with the recipe's path (backend.<key>)."""
     loc = [str(p) for p in err["loc"]]
-    path = ".".join(["backend", *loc])
+    path = ".".join(["backend", *map(str, error_loc(BackendConfig, err["loc"]))])
     if err["type"] == "extra_forbidden":
         model = _model_at(BackendConfig, loc[:-1])
         allowed = sorted(model.model_fields) if model is not None else []
@@ -356,9 +370,7 @@ def parse_recipe(data: dict[str, Any], where: str = "recipe") -> Recipe:
 
 def _recipe_error(err: Any, where: str) -> InvalidInput:
     loc = list(err["loc"])
-    shown = list(loc)
-    if shown[:2] == ["train", "loss"] and len(shown) > 2 and shown[2] in LOSSES:
-        del shown[2]  # the union puts the chosen loss in the path: train.loss.<name>.key
+    shown = error_loc(Recipe, loc)  # without the union's tag: train.loss.key, not train.loss.<name>.key
     path = ".".join([where, *map(str, shown)])
     ctx = err.get("ctx") or {}
     cause = ctx.get("error")

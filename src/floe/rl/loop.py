@@ -68,18 +68,18 @@ class Trainer:
         self.steps_done = 0  # steps trained so far (the CLI reports it on Ctrl-C)
         self.checkpoint_step: int | None = None  # the step of the latest checkpoint, if any
         self._restart = False
+        self._start_record: dict[str, Any] = {}  # the config_history.jsonl line of this start
 
     # -- setup ----------------------------------------------------------------------------
 
     def _prepare_run_dir(self) -> None:
-        """Decide how the run starts (before any model loads) and record its config.
+        """Decide how the run starts (before any model loads); `_record_config` writes it down.
 
         A directory without metrics.jsonl starts fresh (`--resume` is refused: nothing to resume).
         One with metrics but no checkpoint (stopped before its first) restarts from step 0 with
         `--resume`; one with a checkpoint continues from it, after the new recipe is compared with
         the run's: only RESUMABLE_KEYS may differ. Without `--resume` both are refused, the
-        message saying which `--resume` would do. config.json is the current recipe;
-        config_history.jsonl gets one line per start ({"step", "changed", "config"})."""
+        message saying which `--resume` would do. Writes nothing."""
         metrics = self.run_dir / "metrics.jsonl"
         state_file = self.run_dir / "loop_state.json"
         checkpoint = json.loads(state_file.read_text()) if state_file.is_file() else None
@@ -108,11 +108,18 @@ class Trainer:
                         f"{', '.join(RESUMABLE_KEYS)} may change on --resume (docs/recipes.md). Put the old value "
                         "back, or start a new run with another output.run_dir",
                     )
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(self.run_dir / "config.json", json.dumps(new, indent=2))
         start = 0 if checkpoint is None or not self.resume else self.checkpoint_step
+        self._start_record = {"step": start, "changed": {k: list(v) for k, v in changed.items()}, "config": new}
+
+    def _record_config(self) -> None:
+        """Record the start `_prepare_run_dir` decided, once the backend answered (so a start that
+        fails to connect leaves the run dir as it was): config.json is the current recipe;
+        config_history.jsonl gets one line per start ({"step", "changed", "config"})."""
+        record = self._start_record
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.run_dir / "config.json", json.dumps(record["config"], indent=2))
         with (self.run_dir / "config_history.jsonl").open("a") as f:
-            f.write(json.dumps({"step": start, "changed": {k: list(v) for k, v in changed.items()}, "config": new}) + "\n")
+            f.write(json.dumps(record) + "\n")
 
     def _resume_point(self, client: floe.Client) -> int:
         """Load the latest checkpoint; returns the number of steps already done (0 for a fresh
@@ -154,7 +161,13 @@ class Trainer:
         if client is None:
             client = connect_recipe(recipe, ui.warm_start)
         self._env_label = family.name
-        renderer = self._renderer = Renderer(client.tokenizer())
+        try:
+            renderer = self._renderer = Renderer(client.tokenizer())  # a remote backend's first call (auth)
+            self._record_config()
+        except BaseException:
+            if own_client:
+                client.close()
+            raise
         scorer = ThreadPoolExecutor(max_workers=8, thread_name_prefix="floe-score")
         logger = MetricsLogger(self.run_dir, recipe.public_dump(), recipe.output.wandb,
                                recipe.output.tensorboard, recipe.output.wandb_project)

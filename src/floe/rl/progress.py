@@ -13,8 +13,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 class RunProgress:
-    def __init__(self, enabled: bool = True):
+    """`sft_label` names the SFT bar and lines: "warm start (SFT)" before RL, "sft" for `floe sft`."""
+
+    def __init__(self, enabled: bool = True, sft_label: str = "warm start (SFT)"):
         self.enabled = enabled
+        self.sft_label = sft_label
         self.console = Console(stderr=True)
         self._progress: Progress | None = None
         self._task = None
@@ -35,10 +38,10 @@ class RunProgress:
             return
         if not self.live:
             if step == 1 or step % 20 == 0 or step == total:
-                self.console.print(f"warm start (SFT) {step}/{total} loss {loss:.3f}", highlight=False)
+                self.console.print(f"{self.sft_label} {step}/{total} loss {loss:.3f}", highlight=False)
             return
         if self._warm is None:
-            self._warm = self._bar("warm start (SFT)")
+            self._warm = self._bar(self.sft_label)
             self._warm.start()
             self._warm_task = self._warm.add_task("sft", total=total, status="")
         self._warm.update(self._warm_task, completed=step, status=f"loss {loss:.3f}")

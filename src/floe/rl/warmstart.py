@@ -23,6 +23,7 @@ import floe
 from floe.atomic import atomic_directory, recover
 from floe.envs import EnvFamily, make_family
 from floe.envs.demonstrations import demonstration
+from floe.errors import InvalidInput
 from floe.models import make_tiny
 from floe.paths import cache_root
 from floe.rl.config import Recipe, WarmStartConfig
@@ -34,10 +35,18 @@ Progress = Callable[[int, int, float], None]  # (step, total, loss)
 
 def connect_recipe(recipe: Recipe, progress: Progress | None = None) -> floe.Client:
     """A client for the recipe's backend: `floe serve` at backend.url (token: backend.token or
-    $FLOE_TOKEN; the server holds the model), else an embedded backend on `prepare_model`'s model."""
+    $FLOE_TOKEN; the server holds the model), else an embedded backend on `prepare_model`'s model.
+    The embedded backend's InvalidInput("config.<key>") is raised as "recipe.backend.<key>", the
+    key the recipe set."""
     if recipe.url is not None:
         return floe.connect(recipe.url, token=recipe.backend.get("token") or os.environ.get("FLOE_TOKEN"))
-    return floe.connect(recipe.backend_config(prepare_model(recipe, progress)))
+    config = recipe.backend_config(prepare_model(recipe, progress))
+    try:
+        return floe.connect(config)
+    except InvalidInput as e:
+        if not e.field.startswith("config."):
+            raise
+        raise InvalidInput(f"recipe.backend.{e.field.removeprefix('config.')}", e.message) from None
 
 
 def prepare_model(recipe: Recipe, progress: Progress | None = None) -> str:

@@ -230,6 +230,11 @@ class VllmEngine:
             raise InvalidInput("params.temperature", (
                 f"the vllm engine needs temperature 0 (greedy) or >= {GREEDY_TEMPERATURE} (vLLM decodes greedily "
                 f"below it, with temperature-1 log-probs), got {params.temperature}"))
+        for i, prompt in enumerate(prompts):
+            if len(prompt) >= self.max_model_len:  # the prompt alone does not fit: blame the prompt
+                raise InvalidInput(f"prompts[{i}]", (
+                    f"has {len(prompt)} tokens; sampler.engine.max_model_len is {self.max_model_len}: "
+                    "shorten the prompt or raise max_model_len"))
         longest = max(len(p) for p in prompts)
         if longest + params.max_tokens > self.max_model_len:
             raise InvalidInput("params.max_tokens", (

@@ -10,18 +10,23 @@ config is one of:
 An optional `[server]` table sets ServerConfig; command-line flags override it. Any other key
 is an error, as everywhere in floe. The token may also come from the FLOE_TOKEN environment
 variable (kept out of `ps`).
+
+Start-up order: configs and flags are validated, then host:port is bound (a port in use is one
+line, exit 2), and only then is the model prepared and loaded; uvicorn serves on that socket.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -29,6 +34,9 @@ from floe.config import BackendConfig, load_layers, parse_config, split_recipe_a
 from floe.errors import FloeError, InvalidInput
 from floe.server.auth import check_exposure
 from floe.server.settings import ServerConfig
+
+if TYPE_CHECKING:
+    from floe.rl.config import Recipe
 
 log = logging.getLogger("floe.server")
 
@@ -56,18 +64,17 @@ def parse_serve_args(argv: list[str]) -> tuple[list[str], dict[str, Any], argpar
     return files, overrides, args
 
 
-def backend_from(data: dict[str, Any]) -> BackendConfig:
-    """The BackendConfig a merged serve config describes (see the module docstring)."""
+def parse_backend(data: dict[str, Any]) -> BackendConfig | Recipe:
+    """The backend a merged serve config describes (module docstring), validated but not yet
+    prepared: a `floe.rl.config.Recipe` or a BackendConfig; both have ``state_dir``. Cheap: no
+    model is built or checked here (`prepare_backend` does that). Raises InvalidInput."""
     if "model" in data and isinstance(data["model"], dict):
         from floe.rl.config import parse_recipe  # noqa: PLC0415 - only recipes need the RL package
-        from floe.rl.preflight import check_recipe  # noqa: PLC0415
-        from floe.rl.warmstart import prepare_model  # noqa: PLC0415
 
         recipe = parse_recipe(data)
         if recipe.url is not None:
             raise InvalidInput("recipe.backend.url", "floe serve runs the backend itself; drop backend.url")
-        check_recipe(recipe)  # device, model source, data rows: before the model is built
-        return recipe.backend_config(prepare_model(recipe))
+        return recipe
     if "backend" in data:
         extra = sorted(set(data) - {"backend"})
         if extra:
@@ -76,17 +83,64 @@ def backend_from(data: dict[str, Any]) -> BackendConfig:
     return parse_config(BackendConfig, data, "backend")
 
 
+def prepare_backend(parsed: BackendConfig | Recipe) -> BackendConfig:
+    """The BackendConfig for `parse_backend`'s result: a recipe's checks run (device, model
+    source, data rows) and its model is prepared exactly as `floe train` would; a BackendConfig
+    is returned as it is. Raises InvalidInput."""
+    if isinstance(parsed, BackendConfig):
+        return parsed
+    from floe.rl.preflight import check_recipe  # noqa: PLC0415 - only recipes need the RL package
+    from floe.rl.warmstart import prepare_model  # noqa: PLC0415
+
+    check_recipe(parsed)  # device, model source, data rows: before the model is built
+    return parsed.backend_config(prepare_model(parsed))
+
+
+def backend_from(data: dict[str, Any]) -> BackendConfig:
+    """The BackendConfig a merged serve config describes (see the module docstring)."""
+    return prepare_backend(parse_backend(data))
+
+
+def server_from(data: dict[str, Any], args: argparse.Namespace) -> ServerConfig:
+    """The ServerConfig from the merged config's `[server]` table (removed from ``data``) and the
+    flags, which win. Raises InvalidInput naming ``server.<key>``."""
+    server_data: dict[str, Any] = data.pop("server", {}) if isinstance(data.get("server"), dict) else {}
+    flags = {"host": args.host, "port": args.port, "token": args.token or os.environ.get("FLOE_TOKEN"),
+             "max_request_mb": args.max_request_mb, "log_level": args.log_level}
+    return parse_config(ServerConfig, {**server_data, **{k: v for k, v in flags.items() if v is not None}}, "server")
+
+
 def load_serve_config(
     files: list[str], overrides: dict[str, Any], args: argparse.Namespace
 ) -> tuple[BackendConfig, ServerConfig]:
     """(backend config, server config) from files, overlays, overrides and flags."""
     data = _merge(files, overrides)
-    server_data: dict[str, Any] = data.pop("server", {}) if isinstance(data.get("server"), dict) else {}
-    backend = backend_from(data)
-    flags = {"host": args.host, "port": args.port, "token": args.token or os.environ.get("FLOE_TOKEN"),
-             "max_request_mb": args.max_request_mb, "log_level": args.log_level}
-    server = parse_config(ServerConfig, {**server_data, **{k: v for k, v in flags.items() if v is not None}}, "server")
-    return backend, server
+    server = server_from(data, args)
+    return backend_from(data), server
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host``:``port`` (port 0 = any free one), not yet listening;
+    uvicorn listens and serves on it. SO_REUSEADDR is set, as uvicorn sets it (a port left in
+    TIME_WAIT by a killed server binds again). Raises OSError (`listen_error` words it)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def listen_error(host: str, port: int, error: OSError) -> str:
+    """One line for why ``host``:``port`` cannot be bound, and the fix."""
+    if error.errno == errno.EADDRINUSE:
+        return f"port {port} on {host} is in use; choose another with --port"
+    if error.errno == errno.EACCES:
+        return f"port {port} on {host} needs privileges this user lacks; choose another with --port (1024 or above)"
+    reason = error.strerror or str(error)
+    return f"cannot listen on {host} port {port}: {reason}; check --host (an address of this machine, e.g. 127.0.0.1)"
 
 
 def _merge(files: list[str], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -109,11 +163,24 @@ def latest_state(state_dir: Path) -> str | None:
 def serve_main(argv: list[str]) -> int:
     try:
         files, overrides, args = parse_serve_args(argv)
-        backend_config, server_config = load_serve_config(files, overrides, args)
+        data = _merge(files, overrides)
+        server_config = server_from(data, args)
+        parsed = parse_backend(data)
         check_exposure(server_config.host, server_config.token)
-        if args.resume_from and not (Path(backend_config.state_dir) / args.resume_from / "state.json").is_file():
-            raise InvalidInput("--resume-from", f"no saved state {args.resume_from!r} in {backend_config.state_dir}")
+        if args.resume_from and not (Path(parsed.state_dir) / args.resume_from / "state.json").is_file():
+            raise InvalidInput("--resume-from", f"no saved state {args.resume_from!r} in {parsed.state_dir}")
     except InvalidInput as e:
+        print(f"floe serve: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        listener = bind_listener(server_config.host, server_config.port)  # before any model loads
+    except OSError as e:
+        print(f"floe serve: error: {listen_error(server_config.host, server_config.port, e)}", file=sys.stderr)
+        return 2
+    try:
+        backend_config = prepare_backend(parsed)
+    except InvalidInput as e:
+        listener.close()
         print(f"floe serve: error: {e}", file=sys.stderr)
         return 2
 
@@ -132,6 +199,7 @@ def serve_main(argv: list[str]) -> int:
         elif args.resume_latest:
             log.info("no saved state to resume; starting fresh", extra={"state_dir": backend_config.state_dir})
     except FloeError as e:
+        listener.close()
         print(f"floe serve: error: {e}", file=sys.stderr)
         return 1
     app = create_app(backend, server_config)
@@ -140,7 +208,7 @@ def serve_main(argv: list[str]) -> int:
         timeout_graceful_shutdown=server_config.graceful_timeout_s,
     )
     server = DrainingServer(uv_config, on_exit=lambda: setattr(app.state.floe, "draining", True))
-    server.run()
+    server.run(sockets=[listener])
     return 0
 
 

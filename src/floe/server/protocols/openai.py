@@ -235,6 +235,15 @@ def user_field(field: str, fields: dict[str, str], prompt_field: Any) -> str:
     return field
 
 
+def error_code(field: str, prompts: list[list[int]], max_context: int) -> str:
+    """OpenAI's `code` for a refused sample call: `context_length_exceeded` when the backend
+    names a prompt (`prompts[i]`) that alone fills the context, else `invalid_value`."""
+    match = re.fullmatch(r"prompts\[(\d+)\]", field)
+    if match and int(match.group(1)) < len(prompts) and len(prompts[int(match.group(1))]) >= max_context:
+        return "context_length_exceeded"
+    return "invalid_value"
+
+
 # -- errors ------------------------------------------------------------------------------------
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -280,7 +289,8 @@ def openai_router(state: ServerState) -> APIRouter:
         try:
             result = await batcher.sample(prompts, n, params)
         except InvalidInput as e:
-            raise ApiError(400, "invalid_value", e.message, user_field(e.field, fields, prompt_field)) from None
+            raise ApiError(400, error_code(e.field, prompts, backend.max_context), e.message,
+                           user_field(e.field, fields, prompt_field)) from None
         state.metrics.tokens_sampled.inc(result.num_tokens)
         return result
 

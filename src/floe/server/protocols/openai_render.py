@@ -5,7 +5,10 @@ sequences and the tokenizer; the routes are in openai.py.
 Text: a stop token is not part of the text (its log-prob is still reported: every generated
 token is), and the text is cut before a matched stop string. Streamed text deltas join to
 exactly the non-streamed text: each token's delta is what it adds to the decoded text, held
-back while it ends in an incomplete character.
+back while it ends in an incomplete character. A completion's `text_offset` indexes that same
+text: token i starts at the sum of the earlier deltas, so `text[offset_i:offset_(i+1)]` is token
+i's delta, and a token that adds no text (a special token, one past a stop string) has the
+offset of the next character.
 """
 
 from __future__ import annotations
@@ -82,6 +85,15 @@ class Renderer:
         return out
 
     @staticmethod
+    def text_offsets(deltas: list[str]) -> list[int]:
+        """Where each token's delta starts in the text they join to (`deltas(seq)`)."""
+        offsets, at = [], 0
+        for delta in deltas:
+            offsets.append(at)
+            at += len(delta)
+        return offsets
+
+    @staticmethod
     def finish_reason(seq: SampledSequence) -> str:
         return "length" if seq.stop_reason == "length" else "stop"
 
@@ -139,7 +151,8 @@ def render(answer: Answer, rn: Renderer) -> dict[str, Any]:
             )
         else:
             choice["text"] = rn.text(seq)
-            choice["logprobs"] = _completion_logprobs(answer, rn, seq, 0, len(seq.tokens), 0)
+            offsets = rn.text_offsets(rn.deltas(seq)) if answer.logprobs else []
+            choice["logprobs"] = _completion_logprobs(answer, rn, seq, 0, len(seq.tokens), offsets)
         choice.update(finish_reason=rn.finish_reason(seq), token_ids=seq.tokens, prompt_token_ids=prompt)
         choices.append(choice)
     obj = "chat.completion" if answer.kind == "chat" else "text_completion"
@@ -147,18 +160,15 @@ def render(answer: Answer, rn: Renderer) -> dict[str, Any]:
 
 
 def _completion_logprobs(
-    answer: Answer, rn: Renderer, seq: SampledSequence, start: int, end: int, offset: int
+    answer: Answer, rn: Renderer, seq: SampledSequence, start: int, end: int, offsets: list[int]
 ) -> dict[str, Any] | None:
-    """The completions `logprobs` object for tokens [start, end) of `seq`; text offsets from `offset`."""
+    """The completions `logprobs` object for tokens [start, end) of `seq`; `offsets` are every
+    token's text offsets (`Renderer.text_offsets`), of which [start, end) are reported."""
     if not answer.logprobs:
         return None
     pieces = [rn.piece(t) for t in seq.tokens[start:end]]
-    offsets = []
-    for p in pieces:
-        offsets.append(offset)
-        offset += len(p)
     tops = [rn.completion_top(seq, t) for t in range(start, end)] if answer.top_logprobs else None
-    return {"tokens": pieces, "token_logprobs": seq.logprobs[start:end], "top_logprobs": tops, "text_offset": offsets}
+    return {"tokens": pieces, "token_logprobs": seq.logprobs[start:end], "top_logprobs": tops, "text_offset": offsets[start:end]}
 
 
 def stream(answer: Answer, rn: Renderer) -> Iterator[str]:
@@ -175,17 +185,17 @@ def stream(answer: Answer, rn: Renderer) -> Iterator[str]:
     for index, _prompt, seq in _choices(answer):
         if chat:
             yield event([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
-        offset = 0
         last = len(seq.tokens) - 1
-        for t, delta in enumerate(rn.deltas(seq)):
+        deltas = rn.deltas(seq)
+        offsets = rn.text_offsets(deltas)
+        for t, delta in enumerate(deltas):
             choice: dict[str, Any] = {"index": index}
             if chat:
                 choice["delta"] = {"content": delta}
                 choice["logprobs"] = {"content": [rn.chat_entry(seq, t)]} if answer.logprobs else None
             else:
                 choice["text"] = delta
-                choice["logprobs"] = _completion_logprobs(answer, rn, seq, t, t + 1, offset)
-                offset += len(rn.piece(seq.tokens[t]))
+                choice["logprobs"] = _completion_logprobs(answer, rn, seq, t, t + 1, offsets)
             choice["finish_reason"] = rn.finish_reason(seq) if t == last else None
             choice["token_ids"] = [seq.tokens[t]]
             yield event([choice])
