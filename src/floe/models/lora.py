@@ -37,7 +37,8 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import save_file
 from transformers import PreTrainedModel
 
-from floe.errors import InvalidInput, StateError
+from floe.errors import InvalidInput
+from floe.sampler.engine import copy_in_place
 
 LORA_ALPHA = 32
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -219,18 +220,10 @@ class AdapterHost:
         (directory / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
 
 
-@torch.no_grad()
 def load_tensors(own: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> None:
-    """Copy `tensors` into `own` in place; StateError before changing anything when names or
-    shapes differ."""
-    if own.keys() != tensors.keys():
-        diff = sorted(set(own) ^ set(tensors))[:5]
-        raise StateError(f"the saved adapter does not fit this adapter (tensors differ, e.g. {diff})")
-    wrong = [k for k, t in tensors.items() if t.shape != own[k].shape]
-    if wrong:
-        raise StateError(f"the saved adapter does not fit this adapter (shapes differ: {wrong[:5]})")
-    for k, t in tensors.items():
-        own[k].copy_(t)
+    """Copy a saved adapter's `tensors` into `own` in place; StateError before changing anything
+    when names or shapes differ."""
+    copy_in_place(own, tensors, "the saved adapter and this adapter")
 
 
 class AdapterView:

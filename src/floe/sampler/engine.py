@@ -26,6 +26,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from floe.errors import StateError
 from floe.types import SampledGroup, SamplingParams
 
 Fingerprint = tuple[float, float]  # (float64 sum, float64 sum of squares) of one tensor
@@ -36,6 +37,26 @@ def fingerprint(t: torch.Tensor) -> Fingerprint:
     and in practice sensitive to any changed or dropped value (not to a permutation)."""
     d = t.detach().double()
     return float(d.sum()), float((d * d).sum())
+
+
+def check_layout(own: Mapping[str, tuple[int, ...]], tensors: Mapping[str, torch.Tensor], what: str) -> None:
+    """StateError unless `tensors` has exactly the names and shapes of `own` (name -> shape).
+
+    `what` names the two sides in the message, e.g. "sync_weights: policy and sampler models".
+    Raised before anything is copied, so a mismatch changes nothing."""
+    if own.keys() != tensors.keys():
+        raise StateError(f"{what} differ in tensors: {sorted(set(own) ^ set(tensors))[:5]}")
+    wrong = [k for k, t in tensors.items() if tuple(t.shape) != tuple(own[k])]
+    if wrong:
+        raise StateError(f"{what} differ in shape: {wrong[:5]}")
+
+
+@torch.no_grad()
+def copy_in_place(own: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor], what: str) -> None:
+    """Copy `tensors` into `own`'s tensors in place (nothing reallocated) after `check_layout`."""
+    check_layout({k: tuple(v.shape) for k, v in own.items()}, tensors, what)
+    for name, tensor in tensors.items():
+        own[name].copy_(tensor)
 
 
 def fingerprints(tensors: Mapping[str, torch.Tensor]) -> dict[str, Fingerprint]:

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from floe.errors import InvalidInput, StateError
-from floe.sampler.engine import Fingerprint, fingerprints
+from floe.errors import InvalidInput
+from floe.sampler.engine import Fingerprint, copy_in_place, fingerprints
 from floe.sampler.kv_cache import preallocated_cache
 from floe.types import SampledGroup, SampledSequence, SamplingParams, StopReason
 
@@ -190,15 +190,7 @@ class TorchEngine:
     @torch.no_grad()
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy `tensors` into the model's own tensors in place (nothing is reallocated)."""
-        own = self.model.state_dict()
-        if own.keys() != tensors.keys():
-            differ = sorted(set(own) ^ set(tensors))[:5]
-            raise StateError(f"sync_weights: policy and sampler models differ in tensors: {differ}")
-        wrong = [k for k, t in tensors.items() if t.shape != own[k].shape]
-        if wrong:
-            raise StateError(f"sync_weights: policy and sampler tensors differ in shape: {wrong[:5]}")
-        for name, tensor in tensors.items():
-            own[name].copy_(tensor)
+        copy_in_place(self.model.state_dict(), tensors, "sync_weights: policy and sampler models")
 
     def fingerprints(self) -> dict[str, Fingerprint]:
         return fingerprints(self.model.state_dict())

@@ -71,7 +71,7 @@ from torch import nn
 
 from floe.config import VllmEngineConfig
 from floe.errors import InvalidInput, StateError
-from floe.sampler.engine import Fingerprint, fingerprints
+from floe.sampler.engine import Fingerprint, check_layout, fingerprints
 from floe.types import SampledGroup, SampledSequence, SamplingParams, StopReason
 
 try:
@@ -271,12 +271,7 @@ class VllmEngine:
         with self._lock:
             self._check_awake()
             own = self._apply(lambda m: {k: tuple(v.shape) for k, v in _hf_views(m, self.tie_word_embeddings).items()})
-            if own.keys() != tensors.keys():
-                differ = sorted(set(own) ^ set(tensors))[:5]
-                raise StateError(f"sync_weights: policy and vllm sampler models differ in tensors: {differ}")
-            wrong = [k for k, t in tensors.items() if tuple(t.shape) != own[k]]
-            if wrong:
-                raise StateError(f"sync_weights: policy and vllm sampler tensors differ in shape: {wrong[:5]}")
+            check_layout(own, tensors, "sync_weights: policy and vllm sampler models")
             self.llm.collective_rpc("reload_weights",
                                     kwargs={"weights_iterator": _detached(tensors), "is_checkpoint_format": True})
             self.llm.reset_prefix_cache()
