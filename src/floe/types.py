@@ -107,6 +107,8 @@ class SampledSequence:
 
 @dataclass
 class SampledGroup:
+    """One prompt's samples: `prompt` (token ids, as given) and its n `samples`."""
+
     prompt: list[int]
     samples: list[SampledSequence]
 
@@ -116,9 +118,9 @@ class SampleResult:
     """What one `sample` call generated: `groups[i]` answers prompt i."""
 
     groups: list[SampledGroup]
-    weights_version: int
-    num_tokens: int
-    seconds: float
+    weights_version: int  # the sampler's weights version that produced every sample of this call
+    num_tokens: int  # generated tokens over all samples (stop tokens included)
+    seconds: float  # wall-clock seconds the backend spent generating (transport time excluded)
 
     @property
     def temperature(self) -> float | None:
@@ -152,9 +154,11 @@ class ForwardBackwardResult:
 
 @dataclass
 class OptimStepResult:
-    step: int
-    lr: float
-    grad_norm: float
+    """What `optim_step` applied."""
+
+    step: int  # optimizer steps applied so far, this one included (the policy's version)
+    lr: float  # the learning rate this step used (from the schedule)
+    grad_norm: float  # global L2 norm of the accumulated gradients before clipping
     accumulated_calls: int  # forward_backward calls whose gradients this step applied
 
 
@@ -169,6 +173,9 @@ class SyncResult:
 
 @dataclass
 class StateResult:
+    """A saved (or loaded, or deleted) state: its `name`, its directory `path` on the backend's
+    machine, the policy `step` and the sampler weights `version` it holds."""
+
     name: str
     path: str
     step: int
@@ -177,13 +184,20 @@ class StateResult:
 
 @dataclass
 class Info:
-    model: str
-    zones: list[str]
-    step: int
-    policy_version: int
-    sampler_version: int
+    """The backend as it is now (`client.info()`).
+
+    `capabilities` keys: `losses`, `aggregations`, `kl_estimators` (lists of names from the loss
+    registry), `sampler_engine` (the engine's name), `sampler_engine_start_seconds` (float),
+    `pending_forward_backward_calls` (int: calls whose gradients wait for optim_step).
+    """
+
+    model: str  # the model path or hub id the policy was loaded from
+    zones: list[str]  # "policy", "sampler" and, when enabled, "reference"
+    step: int  # optimizer steps applied
+    policy_version: int  # = step
+    sampler_version: int  # the sampler's weights version (syncs, or the caller's tags)
     vocab_size: int
-    max_context: int
-    dtype: str
+    max_context: int  # tokens: prompt + generated must fit
+    dtype: str  # compute dtype of the policy, e.g. "float32", "bfloat16"
     device: str
     capabilities: dict[str, Any] = field(default_factory=dict)
