@@ -1,0 +1,70 @@
+# Sourced by scripts/ci/<stack>.sh: the one way a stack suite gets its cached environment.
+#
+# An environment lives under ${FLOE_CI_CACHE:-$HOME/.cache/floe-ci}/<stack>-<hash of its pins and
+# the Python version> and is reused while they are unchanged; `.complete` marks a finished build.
+# A build writes nothing outside its own directory, so .ci/run builds every stack concurrently
+# (FLOE_CI_BUILD_ONLY=1) while the core suite runs. torch is always the CPU build 2.13.0 from
+# local disk, installed first and re-pinned on every later install.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+
+PY=${PYTHON:-python3}
+TORCH_PIN="torch==2.13.0"
+
+# stack_env NAME PINS: sets STACK, PINS and VENV. Succeeds (after creating a fresh venv holding
+# pip, packaging and torch) when the environment must be built; fails when it is cached.
+stack_env() {
+  STACK=$1
+  PINS="$2 py:$("$PY" -c 'import sys; print(sys.version_info[:2])')"
+  VENV="${FLOE_CI_CACHE:-$HOME/.cache/floe-ci}/$STACK-$(printf '%s' "$PINS" | sha256sum | cut -c1-12)"
+  [ -f "$VENV/.complete" ] && return 1
+  echo "$STACK.sh: building $VENV ($PINS)"
+  STACK_T0=$(date +%s)
+  rm -rf "$VENV"
+  mkdir -p "$(dirname "$VENV")"
+  "$PY" -m venv "$VENV"
+  "$VENV/bin/pip" install --quiet --upgrade pip packaging
+  "$VENV/bin/pip" install --quiet "$TORCH_PIN"
+}
+
+# stack_built: mark the environment complete (after the stack's own build steps).
+stack_built() {
+  touch "$VENV/.complete"
+  echo "$STACK.sh: environment built in $(( $(date +%s) - STACK_T0 )) s"
+}
+
+# requirements_of DIST EXCLUDED [EXTRA ...]: DIST's requirements for this platform (base, plus
+# the given extras), less the space-separated EXCLUDED names, one per line.
+requirements_of() {
+  "$VENV/bin/python" - "$@" <<'PYEOF'
+import sys
+from importlib.metadata import requires
+from packaging.requirements import Requirement
+
+dist, excluded, extras = sys.argv[1], set(sys.argv[2].split()), ["", *sys.argv[3:]]
+for line in requires(dist) or []:
+    req = Requirement(line)
+    if req.marker is not None and not any(req.marker.evaluate({"extra": e}) for e in extras):
+        continue
+    if req.name.lower() not in excluded:
+        print(line.split(";")[0].strip())
+PYEOF
+}
+
+# install_floe EXTRAS: exits here under FLOE_CI_BUILD_ONLY; otherwise floe from this checkout
+# (editable) with the given extras, torch kept at its pin, and a check that torch is still it.
+install_floe() {
+  if [ -n "${FLOE_CI_BUILD_ONLY:-}" ]; then exit 0; fi
+  "$VENV/bin/pip" install --quiet --no-deps -e .
+  "$VENV/bin/pip" install --quiet -e ".[$1]" "$TORCH_PIN"
+  "$VENV/bin/python" -c "import sys, torch; torch.__version__.startswith('2.13.0') or sys.exit(
+    f'$STACK.sh: torch {torch.__version__}, expected 2.13.0 (CPU build)')"
+}
+
+# run_suite COMMAND...: run the stack's pytest command and say how long it took.
+run_suite() {
+  local start
+  start=$(date +%s)
+  "$@"
+  echo "$STACK.sh: suite took $(( $(date +%s) - start )) s"
+}
