@@ -41,7 +41,7 @@ from floe.compute.losses import loss_capabilities, resolve_loss
 from floe.config import BackendConfig
 from floe.errors import InvalidInput, StateError
 from floe.models import load_model, load_tokenizer
-from floe.models.loading import check_device, check_model_source
+from floe.models.loading import check_device, check_model_source, context_length
 from floe.sampler import EngineSource, build_engine
 from floe.sampler.registry import engine_start_seconds
 from floe.types import (
@@ -104,7 +104,7 @@ class Backend:
             else:
                 ref_model = copy.deepcopy(policy_model)
         self.vocab_size = int(policy_model.config.vocab_size)
-        self.max_context = int(getattr(policy_model.config, "max_position_embeddings", 2**31))
+        self.max_context = context_length(policy_model.config)
         self.policy = PolicyZone(policy_model, config.optimizer, config.compute)
         self.sampler = SamplerZone(engine, config.sampler.engine.name, config.seed)
         self.reference = (

@@ -59,6 +59,7 @@ from floe.compute.losses import resolve_loss
 from floe.config import BackendConfig, OptimizerConfig
 from floe.errors import InvalidInput, StateError
 from floe.models import load_model
+from floe.models.loading import context_length
 from floe.models.lora import AdapterHost, LoraSpec, load_tensors
 from floe.sampler.torch_engine import TorchEngine
 from floe.types import (
@@ -196,7 +197,7 @@ class RunManager:
 
     @property
     def max_context(self) -> int:
-        return int(getattr(self.base_config, "max_position_embeddings", 2**31))
+        return context_length(self.base_config)
 
     def _load_base(self) -> PreTrainedModel:
         cfg = self.config

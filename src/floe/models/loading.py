@@ -165,6 +165,12 @@ def resolve_attn_implementation(model_class: type[PreTrainedModel], requested: s
     return requested
 
 
+def context_length(config: PretrainedConfig) -> int:
+    """Tokens a model of `config` takes at once (prompt + generated); unbounded (2**31) when the
+    config states no `max_position_embeddings`."""
+    return int(getattr(config, "max_position_embeddings", 2**31))
+
+
 def load_model(
     path: str,
     dtype: str = "float32",
