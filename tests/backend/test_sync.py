@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import floe
-from floe.backend.sync import InPlaceCopy, WeightsSnapshot, WeightSync, fingerprints, verify
+from floe.backend.sync import InPlaceCopy, SyncReport, WeightsSnapshot, WeightSync, fingerprints, verify
 from floe.backend.zones import PolicyWorker, ReferenceWorker, SamplerWorker
 from tests.conftest import backend_of
 
@@ -46,11 +46,12 @@ class _LossyCopy(WeightSync):
 
     name = "lossy"
 
-    def transfer(self, snapshot, sampler):
+    def sync(self, policy, sampler):
+        snapshot = policy.publish()
         name = next(iter(snapshot.tensors))
         damaged = dict(snapshot.tensors)
         damaged[name] = snapshot.tensors[name] + 1.0
-        return sampler.receive(damaged)
+        return SyncReport(snapshot.fingerprints, sampler.receive(damaged), snapshot.bytes)
 
 
 def test_a_transfer_that_does_not_verify_raises_and_keeps_the_version(make_client):

@@ -35,7 +35,7 @@ from floe.backend.state import (
     read_state,
     write_state,
 )
-from floe.backend.sync import InPlaceCopy, WeightSync, check_publishable, verify
+from floe.backend.sync import InPlaceCopy, WeightSync, verify
 from floe.backend.validation import check_temperature, resolve_temperature, validate_batch, validate_prompts
 from floe.compute.losses import loss_capabilities, resolve_loss
 from floe.config import BackendConfig
@@ -189,12 +189,10 @@ class Backend:
             return SyncResult(self.sampler.version, sent, time.perf_counter() - start)
 
     def _push_policy_weights(self) -> int:
-        """publish → transfer → receive → verify; returns the bytes published. Hold both locks."""
-        snapshot = self.policy.publish()
-        check_publishable(snapshot)
-        received = self.weight_sync.transfer(snapshot, self.sampler)
-        verify(snapshot.fingerprints, received)
-        return snapshot.bytes
+        """weight_sync.sync → verify; returns the bytes of one copy of the weights. Hold both locks."""
+        report = self.weight_sync.sync(self.policy, self.sampler)
+        verify(report.published, report.received)
+        return report.bytes
 
     def save_state(self, name: str) -> StateResult:
         """Save every zone's state as `<state_dir>/<name>` (replacing a state of that name).

@@ -3,6 +3,7 @@
 
 from floe.backend.sync.base import (
     Fingerprint,
+    SyncReport,
     WeightsSnapshot,
     WeightSync,
     check_publishable,
@@ -13,6 +14,6 @@ from floe.backend.sync.base import (
 from floe.backend.sync.local import InPlaceCopy
 
 __all__ = [
-    "Fingerprint", "InPlaceCopy", "WeightSync", "WeightsSnapshot", "check_publishable",
+    "Fingerprint", "InPlaceCopy", "SyncReport", "WeightSync", "WeightsSnapshot", "check_publishable",
     "fingerprint", "fingerprints", "verify",
 ]

@@ -1,10 +1,13 @@
 """Weight sync: moving the policy's published weights into the sampler, and proving it.
 
-A sync is: `policy.publish()` (a `WeightsSnapshot`: tensors and their fingerprints) →
-`WeightSync.transfer` (the method: in-place copy today; an object store or a broadcast group
-across processes later) → `sampler.receive` (returns the fingerprints of what it now holds)
-→ `verify` (published == received) → the coordinator bumps the sampler version. A failed
-check raises `StateError`; the version does not move.
+A sync is one call, `WeightSync.sync(policy, sampler)`: the method decides how the weights
+travel (in one process: `policy.publish()` → `sampler.receive`, `local.InPlaceCopy`; across
+processes: a torch.distributed broadcast group or an object store, owned by the placement that
+put the zones there) and returns a `SyncReport`: the fingerprints the policy published, the
+fingerprints the sampler(s) report holding afterwards, and the bytes moved. The coordinator
+then calls `verify` (published == received) and only then bumps the sampler version. Every
+method refuses non-finite weights (`check_publishable`) before anything moves; a failed check
+raises `StateError` and the version does not move.
 
 A fingerprint (`floe.sampler.engine.fingerprint`, part of the engine contract) is the float64
 sum and sum of squares of one tensor.
@@ -23,10 +26,13 @@ import torch
 from floe.errors import StateError
 from floe.sampler.engine import Fingerprint, fingerprint, fingerprints
 
-__all__ = ["Fingerprint", "WeightSync", "WeightsSnapshot", "check_publishable", "fingerprint", "fingerprints", "verify"]
+__all__ = [
+    "Fingerprint", "SyncReport", "WeightSync", "WeightsSnapshot", "check_publishable", "fingerprint", "fingerprints",
+    "verify",
+]
 
 if TYPE_CHECKING:
-    from floe.backend.zones import SamplerWorker
+    from floe.backend.zones import PolicyWorker, SamplerWorker
 
 @dataclass(frozen=True)
 class WeightsSnapshot:
@@ -59,13 +65,24 @@ def verify(published: Mapping[str, Fingerprint], received: Mapping[str, Fingerpr
         raise StateError(f"sync_weights: fingerprints differ after the transfer for {mismatched[:5]}")
 
 
+@dataclass(frozen=True)
+class SyncReport:
+    """What one transfer did: fingerprints published by the policy and received by the
+    sampler (every replica must report the same; a method with several replicas checks that
+    itself), and the bytes of one full copy of the weights."""
+
+    published: dict[str, Fingerprint]
+    received: dict[str, Fingerprint]
+    bytes: int
+
+
 class WeightSync(ABC):
-    """A way of moving published weights into a sampler. The coordinator calls
-    `check_publishable` before and `verify` after `transfer`."""
+    """A way of moving the policy's weights into the sampler. The coordinator holds both zones
+    exclusively during `sync` and calls `verify` on the report afterwards."""
 
     name: str
 
     @abstractmethod
-    def transfer(self, snapshot: WeightsSnapshot, sampler: SamplerWorker) -> dict[str, Fingerprint]:
-        """Deliver `snapshot.tensors` to `sampler.receive`; returns the fingerprints the
-        sampler reports for what it holds afterwards."""
+    def sync(self, policy: PolicyWorker, sampler: SamplerWorker) -> SyncReport:
+        """Move the policy's current weights into the sampler. StateError (nothing moved)
+        when they are not finite (`check_publishable`)."""

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from floe.backend.sync.base import Fingerprint, WeightsSnapshot, WeightSync
+from floe.backend.sync.base import SyncReport, WeightSync, check_publishable
 
 if TYPE_CHECKING:
-    from floe.backend.zones import SamplerWorker
+    from floe.backend.zones import PolicyWorker, SamplerWorker
 
 
 class InPlaceCopy(WeightSync):
@@ -19,5 +19,8 @@ class InPlaceCopy(WeightSync):
 
     name = "inplace"
 
-    def transfer(self, snapshot: WeightsSnapshot, sampler: SamplerWorker) -> dict[str, Fingerprint]:
-        return sampler.receive(snapshot.tensors)
+    def sync(self, policy: PolicyWorker, sampler: SamplerWorker) -> SyncReport:
+        snapshot = policy.publish()
+        check_publishable(snapshot)
+        received = sampler.receive(snapshot.tensors)
+        return SyncReport(snapshot.fingerprints, received, snapshot.bytes)
