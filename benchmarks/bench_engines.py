@@ -32,6 +32,7 @@ import matplotlib
 import torch
 from common import RESULTS, model_arguments, progress_bar, summary, time_interleaved, tiny_model_dir, write_json
 
+from floe.backend.sampler import prompt_seeds
 from floe.config import TorchEngineConfig, VllmEngineConfig
 from floe.models.loading import load_model, load_tokenizer
 from floe.sampler import EngineSource, build_engine
@@ -77,7 +78,7 @@ def run_config(policy: Any, built: dict[str, Any], P: int, R: int, n: int, promp
             llm = getattr(engine, "llm", None)
             if llm is not None:
                 llm.reset_prefix_cache()
-            groups = engine.generate(batch, n, params, seed=0, version=0)
+            groups = engine.generate(batch, n, params, seeds=prompt_seeds(0, len(batch)), version=0)
             assert sum(len(s.tokens) for g in groups for s in g.samples) == tokens
         return run
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from common import model_arguments, progress_bar, summary, time_interleaved, tiny_model_dir, two_bar_chart, write_json
 
+from floe.backend.sampler import prompt_seeds
 from floe.models.loading import load_model, load_tokenizer
 from floe.sampler.torch_engine import TorchEngine
 from floe.types import SamplingParams
@@ -33,7 +34,7 @@ def run_config(model_dir: str, P: int, R: int, n: int, prompts: int, reps: int, 
     ids = torch.tensor(batch)
 
     def floe_run() -> None:
-        groups = engine.generate(batch, n, params, seed=0, version=0)
+        groups = engine.generate(batch, n, params, seeds=prompt_seeds(0, len(batch)), version=0)
         assert sum(len(s.tokens) for g in groups for s in g.samples) == prompts * n * R
 
     @torch.inference_mode()

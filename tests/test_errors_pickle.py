@@ -16,7 +16,8 @@ from floe.errors import FloeError
 # Modules that import an optional stack at import time; their errors (if any) are floe's own
 # classes re-used, never new ones.
 OPTIONAL = ("floe.integrations.verl.plugin", "floe.integrations.skyrl.dispatch", "floe.integrations.skyrl.entrypoint",
-            "floe.integrations.skyrl.inference", "floe.sampler.vllm_engine", "floe.integrations.prime_rl")
+            "floe.integrations.skyrl.inference", "floe.sampler.vllm_engine", "floe.integrations.prime_rl",
+            "floe.placement.ray")
 
 EXAMPLES: dict[str, tuple] = {
     "FloeError": ("something failed",),
@@ -26,6 +27,7 @@ EXAMPLES: dict[str, tuple] = {
     "RemoteError": (401, "unauthorized", "missing bearer token"),
     "RemoteUnavailable": ("POST http://x/api/info failed 3 times within 1s",),
     "InvalidReward": ("reverse_text", "task-7", "step", "nan"),
+    "WorkerFailed": ("sampler", 1, "the actor died (ray.kill or a crash)"),
 }
 
 

@@ -99,7 +99,9 @@ def test_max_tokens_stop_tokens_and_stop_strings(make_client):
     for s in out.groups[0].samples:
         text = tok.decode(s.tokens)
         if s.stop_reason == "stop_string":
-            assert text.endswith(stop_string) and stop_string not in text[: -len(stop_string)]
+            # the token completing the stop string ends the sample (a special token like "<unk>" may
+            # complete "k" without ending the text with it)
+            assert stop_string in text and stop_string not in tok.decode(s.tokens[:-1])
         else:
             assert stop_string not in text
     assert any(s.stop_reason == "stop_string" for s in out.groups[0].samples)

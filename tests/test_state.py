@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 import floe
 from floe.models import make_tiny
@@ -58,7 +59,7 @@ def test_state_directory_is_complete_and_overwrite_is_atomic(make_client, tmp_pa
     states = tmp_path / "states"
     assert sorted(p.name for p in states.iterdir()) == ["s"]  # no temp or old dirs left behind
     assert sorted(p.name for p in (states / "s").iterdir()) == [
-        "optimizer.safetensors", "policy.safetensors", "rng.safetensors", "state.json",
+        "optimizer.safetensors", "policy.safetensors", "policy_rng.safetensors", "rng.safetensors", "state.json",
     ]
     assert c.list_states() == ["s"]
 
@@ -108,3 +109,32 @@ def test_export_marker_is_json_whatever_the_model_path(make_client, tmp_path):
     out = c.export_hf(str(tmp_path / "export"))
     marker = json.loads((tmp_path / "export" / "floe_export.json").read_text())
     assert marker == {"step": 0, "model": str(odd)} and out == str(tmp_path / "export")
+
+
+def test_format_1_states_still_load(make_client, tmp_path):
+    """A state in the old layout (format 1: the policy's RNG next to the sampler's in
+    rng.safetensors, no policy_layout) loads and resumes exactly."""
+    a = make_client(optimizer={"lr": 1e-2})
+    tok = a.tokenizer()
+    a.forward_backward(_batch(tok, "abc"), "cross_entropy")
+    a.optim_step()
+    a.sync_weights()
+    a.save_state("old")
+    d = tmp_path / "states" / "old"
+    rng = {**load_file(str(d / "rng.safetensors")), **load_file(str(d / "policy_rng.safetensors"))}
+    save_file(rng, str(d / "rng.safetensors"))
+    (d / "policy_rng.safetensors").unlink()
+    meta = json.loads((d / "state.json").read_text())
+    del meta["policy_layout"]
+    (d / "state.json").write_text(json.dumps({**meta, "format": 1}))
+    assert sorted(p.name for p in d.iterdir()) == [
+        "optimizer.safetensors", "policy.safetensors", "rng.safetensors", "state.json",
+    ]
+    next_a = a.forward_backward(_batch(tok, "next"), "cross_entropy")
+    step_a = a.optim_step()
+    b = make_client(optimizer={"lr": 1e-2})
+    assert (b.load_state("old").step, b.info().sampler_version) == (1, 1)
+    assert b.forward_backward(_batch(tok, "next"), "cross_entropy").metrics == next_a.metrics
+    assert b.optim_step() == step_a
+    wa, wb = backend_of(a).policy.model.state_dict(), backend_of(b).policy.model.state_dict()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)

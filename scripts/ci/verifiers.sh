@@ -5,7 +5,8 @@
 # verifiers 0.4.0 (prime-rl's environment and client layer) pulls openai>=2.54, mcp, the
 # prime-* SDKs and renderers: too heavy and too pinned for floe's .venv. The suite drives a
 # `floe serve` process on loopback with verifiers' real TrainClient (token-in/token-out
-# /inference/v1/generate) and EvalClient (/v1/chat/completions) through multi-turn rollouts.
+# /inference/v1/generate) and EvalClient (/v1/chat/completions) through multi-turn rollouts,
+# directly and inside a full verifiers environment (tests/integrations/prime_rl/floe_count_env.py).
 # Usage: bash scripts/ci/verifiers.sh [extra pytest args]
 source "$(dirname "$0")/lib.sh"
 

@@ -145,6 +145,93 @@ class ReferenceConfig(StrictModel):
     checkpoint: str | None = Field(None, description="model path; default: the initial policy")
 
 
+class LocalPlacement(StrictModel):
+    """Every zone in this process (the default): `floe.placement.local`."""
+
+    kind: Literal["local"] = "local"
+
+
+class RayPolicyZone(StrictModel):
+    """The policy zone on Ray: `workers` data-parallel FSDP2 ranks, one actor each."""
+
+    workers: int = Field(1, ge=1, description="policy ranks (FSDP2 data parallel), one Ray actor each")
+    gpus: float = Field(0, ge=0, description="GPUs each policy rank takes (1 for NCCL training; 0 on CPU)")
+    cpus: float = Field(1, gt=0, description="logical CPUs each policy rank takes in Ray's scheduler")
+
+
+class RaySamplerZone(StrictModel):
+    """The sampler zone on Ray: `workers` independent replicas; a sample call spreads its
+    prompts across them."""
+
+    workers: int = Field(1, ge=1, description="sampler replicas, one Ray actor each")
+    gpus: float = Field(0, ge=0, description="GPUs each replica takes (with colocate: shared with its policy rank)")
+    cpus: float = Field(1, gt=0, description="logical CPUs each replica takes in Ray's scheduler")
+
+
+class RayReferenceZone(StrictModel):
+    """The reference zone on Ray: its own actor, or inside policy rank 0's actor."""
+
+    colocate_with_policy: bool = Field(
+        False, description="run the reference model in policy rank 0's actor (same devices) instead of its own"
+    )
+    gpus: float = Field(0, ge=0, description="GPUs the reference actor takes (ignored when colocated)")
+    cpus: float = Field(1, gt=0, description="logical CPUs the reference actor takes (ignored when colocated)")
+
+
+class RayPlacement(StrictModel):
+    """Zones as Ray actors in placement groups (`floe.placement.ray`, docs/scale.md)."""
+
+    kind: Literal["ray"] = "ray"
+    address: str = Field(
+        "local",
+        description='"local" = start a Ray cluster inside this process; "auto" = join the cluster '
+        'started with `ray start` on this node; "ray://host:port" = a Ray client address',
+    )
+    namespace: str = Field("floe", min_length=1, description="Ray namespace of the backend's actors")
+    policy: RayPolicyZone = Field(default_factory=RayPolicyZone)
+    sampler: RaySamplerZone = Field(default_factory=RaySamplerZone)
+    reference: RayReferenceZone = Field(default_factory=RayReferenceZone)
+    colocate: bool = Field(
+        False,
+        description="policy rank i and sampler replica i share one bundle (the same devices): the sampler "
+        "sleeps while the policy trains and the policy offloads while the sampler generates",
+    )
+    sync: Literal["broadcast", "object_store"] = Field(
+        "broadcast",
+        description="weight sync: a torch.distributed broadcast from policy rank 0 to every replica "
+        "(NCCL on GPU, gloo on CPU), or Ray's object store (the fallback)",
+    )
+    sync_bucket_mb: float = Field(
+        256, gt=0, description="weights move in buckets of at most this many MiB: the peak extra memory of a sync"
+    )
+    call_timeout_s: float = Field(
+        600, gt=0, description="bound on any one zone call: a worker that is dead or hangs past it becomes WorkerFailed"
+    )
+    start_timeout_s: float = Field(
+        300, gt=0, description="bound on connecting, placing the bundles and loading the zones"
+    )
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, value: str) -> str:
+        if value not in ("local", "auto") and not value.startswith("ray://"):
+            raise ValueError('must be "local", "auto" or "ray://host:port"')
+        return value
+
+    @model_validator(mode="after")
+    def _combinations(self) -> RayPlacement:
+        if self.colocate and self.policy.workers != self.sampler.workers:
+            raise ValueError(
+                f"colocate pairs policy rank i with sampler replica i: policy.workers ({self.policy.workers}) must "
+                f"equal sampler.workers ({self.sampler.workers}), or set colocate = false"
+            )
+        return self
+
+
+# Where the zones run, chosen by `kind` (`floe.placement.build_zones` builds it).
+PlacementConfig = Annotated[Union[LocalPlacement, RayPlacement], Field(discriminator="kind")]  # noqa: UP007
+
+
 FLOAT16_REFUSED = (
     "float16 is not supported for training: its 5-bit exponent underflows small gradients and floe "
     "does no loss scaling; use dtype = \"bfloat16\" (bf16 compute, fp32 master weights and optimizer "
@@ -178,6 +265,10 @@ class BackendConfig(StrictModel):
     compute: ComputeConfig = ComputeConfig()
     sampler: SamplerConfig = SamplerConfig()
     reference: ReferenceConfig = ReferenceConfig()
+    placement: PlacementConfig = Field(
+        default_factory=LocalPlacement,
+        description='where the zones run: [placement] kind = "local" (this process) or "ray" (docs/scale.md)',
+    )
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -185,6 +276,24 @@ class BackendConfig(StrictModel):
         if value == "float16":
             raise ValueError(FLOAT16_REFUSED)
         return value
+
+    @model_validator(mode="after")
+    def _placement_fits(self) -> BackendConfig:
+        placement = self.placement
+        if isinstance(placement, RayPlacement):
+            if not self.device.startswith("cuda"):
+                for key, zone in (("policy", placement.policy), ("sampler", placement.sampler),
+                                  ("reference", placement.reference)):
+                    if zone.gpus > 0:
+                        raise ValueError(
+                            f"placement.{key}.gpus = {zone.gpus} with device = {self.device!r}: GPUs are only "
+                            "used with a cuda device; set gpus = 0 or device = \"cuda\""
+                        )
+            elif placement.policy.gpus == 0:
+                raise ValueError(
+                    'placement.policy.gpus = 0 with a cuda device: each policy rank needs a GPU (e.g. gpus = 1)'
+                )
+        return self
 
 
 M = TypeVar("M", bound=BaseModel)

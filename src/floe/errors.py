@@ -35,3 +35,20 @@ class InvalidInput(FloeError, ValueError):
 
 class StateError(FloeError, RuntimeError):
     """An operation is not possible in the backend's current state (e.g. unknown checkpoint)."""
+
+
+class WorkerFailed(StateError):
+    """A zone's worker process died, hung past its call bound, or raised outside floe's own
+    errors (placements that run zones in other processes, e.g. Ray). `zone` is "policy",
+    "sampler" or "reference", `rank` the worker's rank (policy) or replica index (sampler).
+    The backend that raised it should be closed; a fresh one resumes from the last saved
+    state (`floe serve --resume-latest`, `floe train --resume`)."""
+
+    def __init__(self, zone: str, rank: int, message: str):
+        self.zone = zone
+        self.rank = rank
+        self.message = message
+        super().__init__(f"{zone} worker {rank}: {message}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.zone, self.rank, self.message))

@@ -41,6 +41,56 @@ def test_seeded_sampling_is_reproducible(engine_client):
     assert _tokens(a)[0] != _tokens(a)[2]
 
 
+def test_a_call_split_in_parts_with_their_prompt_seeds_gives_the_same_samples(engine_client):
+    """Per-prompt seeds (the replica contract): the parts of a call, each with its prompts'
+    seeds, give the whole call's tokens; log-probs agree within 1e-5 (the forward's float
+    rounding may depend on the batch)."""
+    from floe.backend.sampler import merge_results, prompt_seeds, split_prompts
+
+    tok = engine_client.tokenizer()
+    sampler = backend_of(engine_client).sampler
+    prompts = [tok.encode(f"split {'x' * i}") for i in range(5)]
+    params = floe.SamplingParams(max_tokens=10, temperature=1.0, top_p=0.95, stop_at_eos=False)
+    seeds = prompt_seeds(77, len(prompts))
+    whole = sampler.generate(prompts, 3, params, seeds)
+    merged = merge_results([sampler.generate(prompts[r.start:r.stop], 3, params, seeds[r.start:r.stop])
+                            for r in split_prompts(len(prompts), 3, 2)])
+    assert _tokens(merged) == _tokens(whole)
+    assert _tokens(whole) == _tokens(engine_client.sample(prompts, n=3, params=replace(params, seed=77)))
+    flat = [(a, b) for gw, gm in zip(whole.groups, merged.groups) for sw, sm in zip(gw.samples, gm.samples)
+            for a, b in zip(sw.logprobs, sm.logprobs)]
+    assert max(abs(a - b) for a, b in flat) <= 1e-5
+
+
+def test_weights_received_bucket_by_bucket(engine_client):
+    """A streamed receive (buckets of a few tensors, as a cross-process broadcast delivers
+    them) leaves the engine holding exactly the sent weights; a missing tensor is caught at
+    the end and the sampler refuses to sample until a full sync."""
+    from floe.backend.sync.base import fingerprints
+    from floe.backend.sync.broadcast import bucketed
+
+    backend = backend_of(engine_client)
+    sampler, snapshot = backend.sampler, backend.policy.publish()
+    new = {k: v * 1.01 for k, v in snapshot.tensors.items()}
+    try:
+        sampler.begin_receive()
+        buckets = list(bucketed(new.items(), 20_000))
+        assert len(buckets) > 3
+        for bucket in buckets:
+            sampler.receive_bucket(bucket)
+        assert sampler.end_receive() == fingerprints(new) and sampler.weights_complete
+        sampler.begin_receive()
+        for bucket in buckets[1:]:
+            sampler.receive_bucket(bucket)
+        with pytest.raises(floe.StateError, match="missed"):
+            sampler.end_receive()
+        with pytest.raises(floe.StateError, match="incomplete"):
+            engine_client.sample([[10, 11]], n=1, params=floe.SamplingParams(max_tokens=2, seed=0))
+    finally:
+        assert sampler.receive(snapshot.tensors) == snapshot.fingerprints  # back to the policy's weights
+    assert len(engine_client.sample([[10, 11]], n=1, params=floe.SamplingParams(max_tokens=2, seed=0)).groups) == 1
+
+
 def test_n_samples_per_prompt_in_order(engine_client):
     tok = engine_client.tokenizer()
     prompts = [tok.encode("one"), tok.encode("a longer second prompt"), tok.encode("3")]

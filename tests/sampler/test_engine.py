@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import floe
+from floe.backend.sampler import prompt_seeds
 from floe.config import BackendConfig, SamplerConfig, TorchEngineConfig, VllmEngineConfig, parse_config
 from floe.models import load_model, load_tokenizer
 from floe.sampler import ENGINES, EngineSource, SamplerEngine, build_engine
@@ -40,7 +41,7 @@ def test_logprob_and_token_contract(engine):
     tok = engine.tokenizer
     prompt = tok.encode("contract")
     params = floe.SamplingParams(max_tokens=12, temperature=0.5, top_k=1, stop_at_eos=False)
-    (group,) = engine.generate([prompt], 2, params, seed=0, version=7)
+    (group,) = engine.generate([prompt], 2, params, seeds=[0], version=7)
     sample = group.samples[0]
     assert group.prompt == prompt and {s.weights_version for s in group.samples} == {7}
     ids = list(prompt)
@@ -55,7 +56,7 @@ def test_logprob_and_token_contract(engine):
     # Stop on the second token: generation ends with it, and it is part of the sample.
     stop = sample.tokens[1]
     (group,) = engine.generate([prompt], 1, floe.SamplingParams(max_tokens=12, temperature=0.5, top_k=1,
-                                                                  stop_at_eos=False, stop_token_ids=[stop]), 0, 0)
+                                                                  stop_at_eos=False, stop_token_ids=[stop]), [0], 0)
     first = sample.tokens.index(stop)
     assert group.samples[0].tokens == sample.tokens[: first + 1] and group.samples[0].stop_reason == "stop_token"
 
@@ -65,9 +66,10 @@ def test_concurrent_generate_calls_do_not_interfere(engine):
     tok = engine.tokenizer
     prompts = [tok.encode(f"thread test {i}") for i in range(6)]  # 6 prompts x n=3 > 8 rows: two chunks
     params = floe.SamplingParams(max_tokens=10, top_p=0.9, stop=["e"])
-    expected = {seed: engine.generate(prompts, 3, params, seed, 0) for seed in range(3)}
+    expected = {seed: engine.generate(prompts, 3, params, prompt_seeds(seed, 6), 0) for seed in range(3)}
     got: dict[int, list] = {}
-    threads = [threading.Thread(target=lambda s=seed: got.__setitem__(s, engine.generate(prompts, 3, params, s, 0)))
+    threads = [threading.Thread(target=lambda s=seed: got.__setitem__(s, engine.generate(prompts, 3, params,
+                                                                                     prompt_seeds(s, 6), 0)))
                for seed in range(3)]
     for t in threads:
         t.start()

@@ -1,4 +1,4 @@
-"""vLLM-only behaviour: colocation's sleep / wake_up on a CPU build, and settings this
+"""vLLM-only behaviour: colocation's sleep / wake on a CPU build, and settings this
 machine cannot honour. Every test carries the `vllm` marker (scripts/ci/vllm.sh runs them)."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def test_sleep_without_sleep_mode_is_a_state_error_and_changes_nothing(vllm_clie
     tok = vllm_client.tokenizer()
     params = floe.SamplingParams(max_tokens=5, seed=4)
     before = vllm_client.sample([tok.encode("zz")], n=2, params=params)
-    for call in (engine.sleep, engine.wake_up):
+    for call in (engine.sleep, engine.wake):
         with pytest.raises(StateError, match="enable_sleep_mode"):
             call()
     after = vllm_client.sample([tok.encode("zz")], n=2, params=params)

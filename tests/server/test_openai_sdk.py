@@ -83,12 +83,18 @@ def test_chat_logprobs_with_top_logprobs(sdk: openai.OpenAI) -> None:
 
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])
-def test_streaming_joins_to_the_same_answer_with_usage(sdk: openai.OpenAI, kind: str) -> None:
+def test_streaming_joins_to_the_same_answer_with_usage(sdk: openai.OpenAI, server_model: Path, kind: str) -> None:
     args = {"model": "tiny", "max_tokens": 12, "seed": 5, "n": 2}
-    # A stop string sample 0 is sure to meet: its 5th and 6th characters without one.
-    free = (sdk.chat.completions.create(messages=HI, **args).choices[0].message.content if kind == "chat"
-            else sdk.completions.create(prompt="ab", **args).choices[0].text)
-    args["stop"] = [free[4:6]]
+    first = (sdk.chat.completions.create(messages=HI, **args) if kind == "chat"
+             else sdk.completions.create(prompt="ab", **args)).choices[0]
+    free = first.message.content if kind == "chat" else first.text
+    # A stop string sample 0 is sure to meet: two adjacent ordinary tokens from its 5th token on
+    # (stop strings are matched on the decoded tokens, special ones included, while the text
+    # shown skips special tokens: a pair of ordinary tokens reads the same in both).
+    tok = AutoTokenizer.from_pretrained(server_model)
+    ids = first.model_extra["token_ids"]
+    k = next(k for k in range(4, len(ids) - 1) if not {ids[k], ids[k + 1]} & set(tok.all_special_ids))
+    args["stop"] = [tok.decode(ids[k : k + 2])]
     if kind == "chat":
         whole = sdk.chat.completions.create(messages=HI, logprobs=True, **args)
         chunks = list(sdk.chat.completions.create(messages=HI, logprobs=True, stream=True,

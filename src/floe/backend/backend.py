@@ -9,24 +9,28 @@ wait for running samples, and samples that arrive meanwhile wait for them.
 
 Versions: the policy's step counts optimizer steps; the sampler's version counts verified
 syncs (`sync/`); every sample carries the sampler version that produced it.
+
+Where the zones run is the placement's business (`floe.placement.build_zones`): this module
+sees the zone protocols only. When the placement colocates policy and sampler on the same
+devices, every operation first holds its mode ("train", "sync" or "sample") in a
+`locks.ModeLock`, before any zone lock, and the placement sleeps/wakes the zones on a switch.
 """
 
 from __future__ import annotations
 
-import copy
+import functools
 import json
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from floe.atomic import atomic_directory
-from floe.backend.locks import SharedLock
-from floe.backend.policy import PolicyZone
-from floe.backend.reference import ReferenceZone
-from floe.backend.sampler import SamplerZone
+from floe.backend.locks import ModeLock, SharedLock
 from floe.backend.state import (
     check_state_name,
     delete_state_dir,
@@ -35,15 +39,14 @@ from floe.backend.state import (
     read_state,
     write_state,
 )
-from floe.backend.sync import InPlaceCopy, WeightSync, verify
+from floe.backend.sync import WeightSync, verify
 from floe.backend.validation import check_temperature, resolve_temperature, validate_batch, validate_prompts
 from floe.compute.losses import loss_capabilities, resolve_loss
 from floe.config import BackendConfig
 from floe.errors import InvalidInput, StateError
-from floe.models import load_model, load_tokenizer
-from floe.models.loading import check_device, check_model_source, context_length
-from floe.sampler import EngineSource, build_engine
-from floe.sampler.registry import engine_start_seconds
+from floe.models import load_tokenizer
+from floe.models.loading import check_device, check_model_source
+from floe.placement import build_zones
 from floe.types import (
     Batch,
     ForwardBackwardResult,
@@ -67,13 +70,31 @@ def as_batch(batch: Any) -> Batch:
     return batch
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def in_mode(mode: str) -> Callable[[F], F]:
+    """Run the operation holding `mode` of the Backend's ModeLock (colocated zones only),
+    taken before any zone lock."""
+
+    def wrap(method: F) -> F:
+        @functools.wraps(method)
+        def run(self: Backend, *args: Any, **kwargs: Any) -> Any:
+            with self._holding(mode):
+                return method(self, *args, **kwargs)
+
+        return run  # type: ignore[return-value]
+
+    return wrap
+
+
 def _check_version_type(version: Any) -> None:
     if version is not None and type(version) is not int:
         raise InvalidInput("version", f"must be an int (a weights version tag) or None, got {version!r}")
 
 
 class Backend:
-    """All zones of one model in this process, behind the operations of the client API."""
+    """All zones of one model, wherever the placement put them, behind the operations of the client API."""
 
     def __init__(self, config: BackendConfig):
         """Load the model into every zone. Before anything loads (or torch's threads and seed
@@ -90,36 +111,30 @@ class Backend:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
-        policy_model = load_model(
-            config.model, config.dtype, config.device, config.trust_remote_code, config.attn_implementation
-        )
-        engine = build_engine(config.sampler.engine, EngineSource(policy_model, config.model, self.tokenizer, config.trust_remote_code))
-        ref_model = None
-        if config.reference.enabled:
-            if config.reference.checkpoint:
-                ref_model = load_model(
-                    config.reference.checkpoint, config.dtype, config.device, config.trust_remote_code,
-                    config.attn_implementation,
-                )
-            else:
-                ref_model = copy.deepcopy(policy_model)
-        self.vocab_size = int(policy_model.config.vocab_size)
-        self.max_context = context_length(policy_model.config)
-        self.policy = PolicyZone(policy_model, config.optimizer, config.compute)
-        self.sampler = SamplerZone(engine, config.sampler.engine.name, config.seed)
-        self.reference = (
-            ReferenceZone(ref_model, config.compute, config.reference.checkpoint or config.model)
-            if ref_model is not None
-            else None
-        )
-        self.weight_sync: WeightSync = InPlaceCopy()
+        self.zones = build_zones(config, self.tokenizer)
+        self.vocab_size = self.zones.vocab_size
+        self.max_context = self.zones.max_context
+        self.policy = self.zones.policy
+        self.sampler = self.zones.sampler
+        self.reference = self.zones.reference
+        self.weight_sync: WeightSync = self.zones.weight_sync
+        self._mode = ModeLock(self.zones.switch_mode) if self.zones.colocated else None
         self.state_dir = Path(config.state_dir)
         self._policy_lock = threading.RLock()
         self._sampler_lock = SharedLock()
         self._reference_lock = threading.RLock()
 
+    @contextmanager
+    def _holding(self, mode: str) -> Iterator[None]:
+        if self._mode is None:
+            yield
+            return
+        with self._mode.hold(mode):
+            yield
+
     # -- operations -----------------------------------------------------------------------
 
+    @in_mode("sample")
     def sample(self, prompts: list[list[int]], n: int = 1, params: SamplingParams | None = None) -> SampleResult:
         """n samples per prompt from the sampler (default SamplingParams()); runs alongside other
         sample calls and training. InvalidInput names a bad field."""
@@ -129,6 +144,7 @@ class Backend:
         with self._sampler_lock.shared():
             return self.sampler.sample(prompts, n, params)
 
+    @in_mode("train")
     def forward(
         self, batch: Batch, zone: str = "policy", temperature: float | None = None, with_entropy: bool = False
     ) -> ForwardResult:
@@ -151,6 +167,7 @@ class Backend:
                 return self.reference.forward(batch, temperature, with_entropy)
         raise InvalidInput("zone", f"must be 'policy' or 'reference', got {zone!r}")
 
+    @in_mode("train")
     def forward_backward(
         self,
         batch: Batch,
@@ -168,11 +185,13 @@ class Backend:
         with self._policy_lock:
             return self.policy.forward_backward(batch, spec, temperature)
 
+    @in_mode("train")
     def optim_step(self) -> OptimStepResult:
         """Apply the accumulated gradients (StateError when there are none or they are not finite)."""
         with self._policy_lock:
             return self.policy.optim_step()
 
+    @in_mode("sync")
     def sync_weights(self, version: int | None = None) -> SyncResult:
         """Policy weights → sampler, verified by fingerprints; the sampler's version becomes
         `version` (a caller's tag, > the current version) or, when None, the current one + 1.
@@ -194,26 +213,28 @@ class Backend:
         verify(report.published, report.received)
         return report.bytes
 
+    @in_mode("train")
     def save_state(self, name: str) -> StateResult:
         """Save every zone's state as `<state_dir>/<name>` (replacing a state of that name).
         StateError while gradients wait for optim_step."""
         name = check_state_name(name)
         path = self.state_dir / name
         with self._policy_lock, self._sampler_lock.shared():
-            parts = [self.policy.save_state(), self.sampler.save_state()]
-            write_state(path, parts, self.config.model)
+            # The policy writes its own files (a sharded policy: its ranks' shards) into the temp directory.
+            write_state(path, [self.sampler.save_state()], self.config.model, save_policy=self.policy.save_state)
             return StateResult(name, str(path), self.policy.step, self.sampler.version)
 
+    @in_mode("sync")
     def load_state(self, name: str) -> StateResult:
         """Restore a saved state. The sampler gets the restored policy weights and the saved
         version; gradients not yet applied are discarded. A state that does not fit changes nothing."""
         name = check_state_name(name)
         path = self.state_dir / name
         with self._policy_lock, self._sampler_lock.exclusive():
-            state = read_state(path)
-            self.policy.check_state(state)
+            state = read_state(path, files=("rng.safetensors",))  # the policy reads its own files
+            self.policy.check_state(path, state.meta)
             self.sampler.check_state(state)
-            self.policy.load_state(state)
+            self.policy.load_state(path, state.meta)
             self._push_policy_weights()
             self.sampler.load_state(state)
             return StateResult(name, str(path), self.policy.step, self.sampler.version)
@@ -233,6 +254,7 @@ class Backend:
         """Names of the saved states, sorted."""
         return list_state_dirs(self.state_dir)
 
+    @in_mode("train")
     def export_hf(self, path: str) -> str:
         """Write the policy as an ordinary HF model directory (weights + config + tokenizer).
 
@@ -268,11 +290,13 @@ class Backend:
                 capabilities={
                     **loss_capabilities(),
                     "sampler_engine": self.sampler.engine_name,
-                    "sampler_engine_start_seconds": engine_start_seconds(self.sampler.engine),
+                    "sampler_engine_start_seconds": self.zones.engine_start_seconds(),
                     "pending_forward_backward_calls": self.policy.pending_calls,
+                    "placement": self.zones.describe(),
+                    "zones_memory": self.zones.memory(),
                 },
             )
 
     def close(self) -> None:
-        """Release the sampler engine's resources. Idempotent."""
-        self.sampler.close()
+        """Release the zones' resources (engines; workers of a distributed placement). Idempotent."""
+        self.zones.close()

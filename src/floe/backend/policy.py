@@ -1,8 +1,15 @@
 """The policy zone: the trainable model, its AdamW optimizer, LR schedule and step counter.
 
 It implements `zones.PolicyWorker`: besides training it publishes its weights for a sync
-(`publish`) and saves/loads its own state (weights, optimizer, step, torch RNG) as a
-`state.ZoneState`.
+(`publish`) and saves/loads its own state (weights, optimizer, step, torch RNG) into a state
+directory (`save_state(dir)`, layout "full" of `state.py`; it also loads the "sharded" layout
+of `policy_sharded`, so a resume works across placements). `state_part` / `check_part` /
+`load_part` are the same state in memory as a `state.ZoneState` (the training runs of
+`runs.py` keep theirs that way).
+
+The micro-batch loop (`accumulate_microbatches`: score, loss, backward per micro-batch) is
+shared with the data-parallel `policy_sharded.ShardedPolicyZone`; only how a micro-batch is
+scored differs (here the model directly, there through FSDP).
 
 `forward_backward` adds gradients (it never zeroes them); `optim_step` applies everything
 accumulated since the last step, then zeroes. Each `forward_backward` call is aggregated on
@@ -28,16 +35,26 @@ zone's `OptimizerConfig`.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
+from floe.backend import state_sharded
+from floe.backend.data_parallel import batch_scales
 from floe.backend.scoring import plan_batch, score_batch, score_microbatch, uses_prefix_dedup
-from floe.backend.state import ZoneState
+from floe.backend.state import (
+    ZoneState,
+    policy_layout,
+    read_policy_files,
+    saved_shapes,
+    write_policy_files,
+)
 from floe.backend.sync.base import WeightsSnapshot, fingerprints
-from floe.compute.losses import LossSpec, TokenInputs, aggregation_scales, compute_loss, finalize_metrics
+from floe.compute.layout import MicroBatch
+from floe.compute.losses import LossSpec, TokenInputs, compute_loss, finalize_metrics
 from floe.config import FLOAT16_REFUSED, ComputeConfig, OptimizerConfig
 from floe.errors import InvalidInput, StateError
 from floe.types import Batch, ForwardBackwardResult, ForwardResult, OptimStepResult
@@ -73,6 +90,95 @@ def disable_dropout(model: torch.nn.Module) -> None:
     for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
         if isinstance(getattr(model.config, key, None), float):
             setattr(model.config, key, 0.0)
+
+
+def prepare_model(model: PreTrainedModel, compute: ComputeConfig) -> None:
+    """What every policy does to its model first: dropout off, gradient checkpointing when configured."""
+    disable_dropout(model)
+    if compute.gradient_checkpointing:
+        # transformers 5 renamed the method; older releases only have the first name.
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()  # HF only checkpoints in train mode; dropout is already off
+
+
+ScoreFn = Callable[[MicroBatch], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def score_flat(
+    model: PreTrainedModel, batch: Batch, mb: MicroBatch, temperature: float, with_entropy: bool, compute: ComputeConfig
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs [T] (and entropies [T]) of the micro-batch's sample tokens, samples in part order."""
+    scored = score_microbatch(model, batch, mb, temperature, with_entropy, compute)
+    logp = torch.cat([lp for part in scored for lp in part.logprobs])
+    entropy = torch.cat([e for part in scored for e in (part.entropy or [])]) if with_entropy else None
+    return logp, entropy
+
+
+def accumulate_microbatches(
+    score: ScoreFn,
+    batch: Batch,
+    plan: list[MicroBatch],
+    scales: list[float],
+    spec: LossSpec,
+    device: torch.device,
+) -> tuple[list[list[list[float]]], list[dict[str, float]]]:
+    """Loss and backward per micro-batch of `plan`; the policy log-probs [group][sample][token]
+    of `batch` and the micro-batches' metric sums (for `finalize_metrics`).
+
+    `score(mb)` gives the micro-batch's log-probs and entropies with autograd (`score_flat`);
+    `scales[k]` is the aggregation scale of the k-th sample of `batch` (`batch_scales`, or the
+    global scales a data-parallel share carries). Gradients add into the parameters' .grad."""
+    first_of_group = [0]
+    for g in batch.groups:
+        first_of_group.append(first_of_group[-1] + len(g.samples))
+    logprobs: list[list[list[float]]] = [[[] for _ in g.samples] for g in batch.groups]
+    parts_metrics: list[dict[str, float]] = []
+    for mb in plan:
+        logp, entropy = score(mb)
+        assert entropy is not None
+        mb_samples = [(p.group, i) for p in mb.parts for i in p.samples]
+        lens = [len(batch.groups[g].samples[i].tokens) for g, i in mb_samples]
+        sample_logps = torch.split(logp, lens)
+        mb_scales = [scales[first_of_group[g] + i] for g, i in mb_samples]
+        inputs = _token_inputs(batch, mb_samples, mb_scales, logp, entropy, spec, device)
+        loss, sums = compute_loss(spec, inputs)
+        loss.backward()
+        parts_metrics.append(sums)
+        for (gi, si), lp in zip(mb_samples, sample_logps):
+            logprobs[gi][si] = lp.detach().tolist()
+    return logprobs, parts_metrics
+
+
+NONFINITE_STEP = (
+    "optim_step: the accumulated gradient norm is {}; the step was not applied and the "
+    "accumulated gradients were discarded (weights, optimizer state and step are unchanged). "
+    "Check the advantages and weights of the last forward_backward calls."
+)
+NO_PENDING = "optim_step: no forward_backward since the last step; nothing to apply"
+PENDING_SAVE = (
+    "save_state: gradients from forward_backward are waiting for optim_step and would be lost; call optim_step first"
+)
+
+
+def check_saved_policy(
+    saved: dict[str, tuple[int, ...]], live: dict[str, tuple[int, ...]], meta: dict[str, Any], num_params: int, has_rng: bool
+) -> None:
+    """StateError unless saved weights (name -> shape) fit the live model's, the saved optimizer
+    covers `num_params` parameters, and the state has a step and the policy's RNG."""
+    if saved.keys() != live.keys():
+        diff = sorted(set(saved) ^ set(live))[:5]
+        raise StateError(f"load_state: saved weights do not match this model (e.g. {diff})")
+    for k, shape in saved.items():
+        if tuple(shape) != tuple(live[k]):
+            raise StateError(f"load_state: {k} has shape {tuple(shape)}, the model {tuple(live[k])}")
+    groups = meta.get("param_groups")
+    if not isinstance(groups, list) or sum(len(g["params"]) for g in groups) != num_params:
+        raise StateError("load_state: the saved optimizer covers a different set of parameters")
+    if not has_rng or type(meta.get("step")) is not int:
+        raise StateError("load_state: the state has no step or torch RNG; it is not a floe state")
 
 
 class MasterWeights:
@@ -137,14 +243,7 @@ class PolicyZone:
         self.model = model
         self.compute = compute
         self.optimizer_config = optimizer
-        disable_dropout(model)
-        if compute.gradient_checkpointing:
-            # transformers 5 renamed the method; older releases only have the first name.
-            if hasattr(model, "activation_checkpointing_enable"):
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            model.train()  # HF only checkpoints in train mode; dropout is already off
+        prepare_model(model, compute)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.masters = MasterWeights(self.params) if needs_masters(self.params) else None
         self.trained: list[torch.Tensor] = self.masters.masters if self.masters else list(self.params)
@@ -180,29 +279,12 @@ class PolicyZone:
     ) -> tuple[list[list[list[float]]], list[dict[str, float]]]:
         """Loss and backward per micro-batch; returns the policy log-probs and metric sums."""
         device = next(self.model.parameters()).device
-        samples = [s for g in batch.groups for s in g.samples]
-        weight_sums = [float(sum(s.weights)) if s.weights is not None else float(len(s.tokens)) for s in samples]
-        scales = aggregation_scales(
-            [len(s.tokens) for s in samples], weight_sums, spec.config.aggregation, spec.config.norm_length
-        )
-        first_of_group = [0]
-        for g in batch.groups:
-            first_of_group.append(first_of_group[-1] + len(g.samples))
-        logprobs: list[list[list[float]]] = [[[] for _ in g.samples] for g in batch.groups]
-        parts_metrics: list[dict[str, float]] = []
-        for mb in plan_batch(batch, self.compute, uses_prefix_dedup(self.model, self.compute), self.model):
-            scored = score_microbatch(self.model, batch, mb, temperature, True, self.compute)
-            mb_samples = [(p.group, i) for p in mb.parts for i in p.samples]
-            sample_logps = [lp for part in scored for lp in part.logprobs]
-            entropy = torch.cat([e for part in scored for e in (part.entropy or [])])
-            mb_scales = [scales[first_of_group[g] + i] for g, i in mb_samples]
-            inputs = _token_inputs(batch, mb_samples, mb_scales, torch.cat(sample_logps), entropy, spec, device)
-            loss, sums = compute_loss(spec, inputs)
-            loss.backward()
-            parts_metrics.append(sums)
-            for (gi, si), lp in zip(mb_samples, sample_logps):
-                logprobs[gi][si] = lp.detach().tolist()
-        return logprobs, parts_metrics
+        plan = plan_batch(batch, self.compute, uses_prefix_dedup(self.model, self.compute), self.model)
+
+        def score(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return score_flat(self.model, batch, mb, temperature, True, self.compute)
+
+        return accumulate_microbatches(score, batch, plan, batch_scales(batch, spec), spec, device)
 
     def discard_gradients(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -212,17 +294,13 @@ class PolicyZone:
 
     def optim_step(self) -> OptimStepResult:
         if self.pending_calls == 0:
-            raise StateError("optim_step: no forward_backward since the last step; nothing to apply")
+            raise StateError(NO_PENDING)
         grads = [p.grad for p in self.trained if p.grad is not None]
         grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
         if not math.isfinite(grad_norm):
             # Nothing can be applied from a non-finite sum; keeping it would block every later step.
             self.discard_gradients()
-            raise StateError(
-                f"optim_step: the accumulated gradient norm is {grad_norm}; the step was not applied and the "
-                "accumulated gradients were discarded (weights, optimizer state and step are unchanged). "
-                "Check the advantages and weights of the last forward_backward calls."
-            )
+            raise StateError(NONFINITE_STEP.format(grad_norm))
         max_norm = self.optimizer_config.grad_clip
         if max_norm is not None and grad_norm > max_norm:
             # Same factor as torch.nn.utils.clip_grad_norm_, applied only once the norm is known finite.
@@ -269,17 +347,52 @@ class PolicyZone:
             if (t.data_ptr(), t.shape) in by_storage
         }
 
-    def save_state(self) -> ZoneState:
+    # The state as a directory (the PolicyWorker protocol) ...
+
+    def param_names(self) -> list[str]:
+        """State-dict names of the trainable parameters, in optimizer index order."""
+        by_id = {id(p): n for n, p in self.model.named_parameters()}
+        return [by_id[id(p)] for p in self.params]
+
+    def save_state(self, directory: Path) -> dict[str, Any]:
+        """Write the "full" layout (`state.write_policy_files`) into `directory`; returns the
+        state.json keys (step, param_groups, optimizer_scalars, policy_layout). StateError
+        while gradients wait for optim_step."""
+        part = self.state_part()
+        write_policy_files(directory, part)
+        return {**part.meta, "policy_layout": "full"}
+
+    def _live_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+
+    def check_state(self, directory: Path, meta: dict[str, Any]) -> None:
+        """StateError when the saved policy (either layout) does not fit this model and
+        optimizer; reads file headers only, changes nothing."""
+        if policy_layout(meta) == "sharded":
+            saved, has_rng = state_sharded.saved_weight_shapes(directory), state_sharded.has_rng(directory)
+        else:
+            saved = saved_shapes(directory, "policy.safetensors")
+            has_rng = state_sharded.has_rng(directory)
+        check_saved_policy(saved, self._live_shapes(), meta, len(self.params), has_rng)
+
+    def load_state(self, directory: Path, meta: dict[str, Any]) -> None:
+        """Apply a state `check_state` accepted (either layout; see `load_part`)."""
+        if policy_layout(meta) == "sharded":
+            part = state_sharded.read_as_full(directory, meta, self.param_names())
+        else:
+            part = read_policy_files(directory, meta)
+        self.load_part(part)
+
+    # ... and in memory.
+
+    def state_part(self) -> ZoneState:
         """Weights, AdamW state (tensors by "<param index>.<key>", scalars in JSON), step, torch RNG.
 
         With fp32 masters (a bf16 model) the saved trainable weights are the fp32 masters, so
         a resume continues exactly; buffers keep the model's dtype. `param_groups` in the JSON
         record the hyper-parameters used so far; loading applies the loader's own config."""
         if self.pending_calls:
-            raise StateError(
-                "save_state: gradients from forward_backward are waiting for optim_step and would be lost; "
-                "call optim_step first"
-            )
+            raise StateError(PENDING_SAVE)
         opt = self.optimizer.state_dict()
         opt_tensors: dict[str, torch.Tensor] = {}
         scalars: dict[str, dict[str, float]] = {}
@@ -302,26 +415,15 @@ class PolicyZone:
             {"step": self.step, "param_groups": opt["param_groups"], "optimizer_scalars": scalars},
         )
 
-    def check_state(self, state: ZoneState) -> None:
+    def check_part(self, state: ZoneState) -> None:
         """StateError when the saved weights or optimizer do not fit this model; changes nothing."""
         weights = state.tensors.get("policy.safetensors", {})
-        live = self.model.state_dict()
-        if weights.keys() != live.keys():
-            diff = sorted(set(weights) ^ set(live))[:5]
-            raise StateError(f"load_state: saved weights do not match this model (e.g. {diff})")
-        for k, v in weights.items():
-            if v.shape != live[k].shape:
-                raise StateError(f"load_state: {k} has shape {tuple(v.shape)}, the model {tuple(live[k].shape)}")
-        groups = state.meta.get("param_groups")
-        if not isinstance(groups, list) or sum(len(g["params"]) for g in groups) != sum(
-            len(g["params"]) for g in self.optimizer.param_groups
-        ):
-            raise StateError("load_state: the saved optimizer covers a different set of parameters")
-        if "torch_cpu" not in state.tensors.get("rng.safetensors", {}) or type(state.meta.get("step")) is not int:
-            raise StateError("load_state: the state has no step or torch RNG; it is not a floe state")
+        saved = {k: tuple(v.shape) for k, v in weights.items()}
+        has_rng = "torch_cpu" in state.tensors.get("rng.safetensors", {})
+        check_saved_policy(saved, self._live_shapes(), state.meta, len(self.params), has_rng)
 
-    def load_state(self, state: ZoneState) -> None:
-        """Apply a state `check_state` accepted; gradients not yet applied are discarded.
+    def load_part(self, state: ZoneState) -> None:
+        """Apply a state `check_part` accepted; gradients not yet applied are discarded.
 
         Restores weights (into the fp32 masters too, when there are masters; a state saved
         from an fp32 or a bf16 model loads into either), AdamW moments and step counts, the

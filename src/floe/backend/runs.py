@@ -52,6 +52,7 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel, PreTrain
 
 from floe.atomic import atomic_directory, recover
 from floe.backend.policy import PolicyZone
+from floe.backend.sampler import prompt_seeds
 from floe.backend.scoring import score_batch
 from floe.backend.state import ZoneState, read_state, write_state
 from floe.backend.validation import validate_batch, validate_prompts
@@ -335,7 +336,7 @@ class RunManager:
         the run (atomically; replaces `directory`)."""
         run = self._run(run_id)
         with self._training(run):
-            part = run.zone.save_state()
+            part = run.zone.state_part()
         kind = {"full": True} if run.spec is None else {"lora": run.spec.to_json()}
         meta = ZoneState({}, {"run": {**kind, "user_metadata": run.user_metadata}})
         write_state(directory, [part, meta], self.config.model)
@@ -377,8 +378,8 @@ class RunManager:
         if not with_optimizer:  # a fresh AdamW: no moments, the zone's own hyper-parameters
             state.tensors["optimizer.safetensors"] = {}
             state.meta.update(optimizer_scalars={}, param_groups=run.zone.optimizer.state_dict()["param_groups"])
-        run.zone.check_state(state)
-        run.zone.load_state(state)
+        run.zone.check_part(state)
+        run.zone.load_part(state)
 
     def reload(self, run_id: str, directory: Path, with_optimizer: bool) -> Run:
         """Replace run `run_id` by a saved state of the same kind (its weights, step, and AdamW
@@ -544,9 +545,9 @@ class RunManager:
             with self._load_lock:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
         if frozen is not None:  # a frozen whole model: nothing to switch, nothing to lock
-            return engine.generate([prompt], n, params, seed, sampler.version)[0]
+            return engine.generate([prompt], n, params, prompt_seeds(seed, 1), sampler.version)[0]
         with self._on(sampler):
-            return engine.generate([prompt], n, params, seed, sampler.version)[0]
+            return engine.generate([prompt], n, params, prompt_seeds(seed, 1), sampler.version)[0]
 
     def prompt_logprobs(self, sampler: SamplerInfo, prompt: list[int]) -> list[float]:
         """log p(prompt[i] | prompt[:i]) for i >= 1 (len(prompt) - 1 values), by floe's scoring."""

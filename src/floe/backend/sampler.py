@@ -4,6 +4,23 @@ The zone owns the version (syncs received) and the generator that seeds calls wi
 generation itself is the engine's (`floe.sampler`). Several `sample` calls may run at once
 (the Backend holds the sampler shared for them): each reads the version once, draws its seed
 under a small lock, and the engine keeps all per-call state local.
+
+Seeds: a call has one seed (`params.seed`, or one drawn from the zone's generator); it becomes
+one seed per prompt (`prompt_seeds`), and the engine draws prompt i's samples from seeds[i]
+alone. So `sample` = `generate(prompts, n, params, prompt_seeds(seed, len(prompts)))`, and a
+driver with several replicas (placement) draws the call seed itself, splits the prompts
+(`split_prompts`), calls each replica's `generate` with its prompts and their seeds, and
+joins the answers (`merge_results`): the same samples as one zone would give.
+
+Weights arrive whole (`receive`, one process) or streamed in buckets (`begin_receive`,
+`receive_bucket`..., `end_receive`, across processes: `floe.backend.sync.broadcast`). Until a
+streamed receive has ended with every tensor received, the zone's weights are incomplete
+(`weights_complete` is False) and it refuses to sample, so a sync that fails midway never
+yields samples stamped with a version the weights do not hold.
+
+Sleep / wake (colocation): `sleep()` releases the engine's device memory, `wake()` brings it
+back (`SamplerEngine.sleep`); sampling while asleep raises StateError. `memory()` says where
+the weights are.
 """
 
 from __future__ import annotations
@@ -17,9 +34,52 @@ import torch
 
 from floe.backend.state import ZoneState
 from floe.backend.sync.base import Fingerprint
-from floe.errors import StateError
-from floe.sampler.engine import SamplerEngine
+from floe.errors import InvalidInput, StateError
+from floe.sampler.engine import SamplerEngine, seeds_match_prompts
+from floe.sampler.noise import derive
 from floe.types import SampleResult, SamplingParams
+
+
+def prompt_seeds(seed: int, num_prompts: int) -> list[int]:
+    """One seed per prompt of a call seeded `seed` (any int): seeds[i] = derive(seed, i)
+    (`floe.sampler.noise.derive`, SplitMix64 of the seed and the prompt index), in [0, 2^63).
+    Deterministic and well mixed; prompt i's seed does not depend on the number of prompts."""
+    return [derive(seed, i) for i in range(num_prompts)]
+
+
+def split_prompts(num_prompts: int, n: int, replicas: int) -> list[range]:
+    """`replicas` contiguous ranges of prompt indices covering range(num_prompts) in order,
+    balanced (sizes differ by at most one, larger first). Every prompt has n samples, so
+    rows (prompts × n) are balanced too. Ranges past the number of prompts are empty: give
+    those replicas nothing. InvalidInput for n < 1, replicas < 1 or num_prompts < 0."""
+    if replicas < 1:
+        raise InvalidInput("replicas", f"must be at least 1, got {replicas}")
+    if n < 1:
+        raise InvalidInput("n", f"must be at least 1, got {n}")
+    if num_prompts < 0:
+        raise InvalidInput("num_prompts", f"must be >= 0, got {num_prompts}")
+    base, extra = divmod(num_prompts, replicas)
+    ranges, start = [], 0
+    for r in range(replicas):
+        size = base + (1 if r < extra else 0)
+        ranges.append(range(start, start + size))
+        start += size
+    return ranges
+
+
+def merge_results(parts: list[SampleResult]) -> SampleResult:
+    """One `SampleResult` from the replicas' parts, given in prompt order (as `split_prompts`
+    cut them): groups concatenated, tokens summed, seconds the longest part's (the replicas
+    run at the same time). StateError unless every part ran on the same weights version;
+    InvalidInput when there are no parts."""
+    if not parts:
+        raise InvalidInput("parts", "no results to merge: give at least one replica's SampleResult")
+    versions = sorted({p.weights_version for p in parts})
+    if len(versions) != 1:
+        raise StateError(f"sample: sampler replicas answered with different weights versions {versions}; "
+                         "sync_weights must reach every replica before it samples")
+    return SampleResult([g for p in parts for g in p.groups], versions[0], sum(p.num_tokens for p in parts),
+                        max(p.seconds for p in parts))
 
 
 class SamplerZone:
@@ -31,6 +91,8 @@ class SamplerZone:
         self._version = 0
         self._generator = torch.Generator(device="cpu").manual_seed(seed)  # seeds unseeded calls
         self._seed_lock = threading.Lock()
+        self._received: set[str] | None = None  # names received by the streamed receive under way
+        self._complete = True  # False from begin_receive until end_receive succeeds
 
     @property
     def version(self) -> int:
@@ -46,19 +108,84 @@ class SamplerZone:
         self.engine.validate(prompts, n, params)
 
     def sample(self, prompts: list[list[int]], n: int, params: SamplingParams) -> SampleResult:
-        start = time.perf_counter()
+        """`generate` with `prompt_seeds` of the call seed: `params.seed`, or (None) one drawn
+        from the zone's generator."""
         seed = params.seed
         if seed is None:
             with self._seed_lock:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._generator))
+        return self.generate(prompts, n, params, prompt_seeds(seed, len(prompts)))
+
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[int]) -> SampleResult:
+        """n samples of each prompt, prompt i's drawn from `seeds[i]` alone (the replica entry
+        point; `params.seed` is not read). InvalidInput("seeds") unless one seed per prompt;
+        StateError while asleep or while the weights are incomplete (a streamed receive not
+        ended)."""
+        start = time.perf_counter()
+        seeds_match_prompts(prompts, seeds)
+        if not self._complete:
+            raise StateError("sample: the sampler's weights are incomplete (a weight sync failed midway or has not "
+                             "ended); run sync_weights again")
         version = self._version
-        groups = self.engine.generate(prompts, n, params, seed, version)
+        groups = self.engine.generate(prompts, n, params, seeds, version)
         num_tokens = sum(len(s.tokens) for g in groups for s in g.samples)
         return SampleResult(groups, version, num_tokens, time.perf_counter() - start)
 
     def receive(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, Fingerprint]:
+        """Take every tensor at once (StateError before any change when names or shapes
+        differ); returns the fingerprints the engine now holds."""
         self.engine.load_weights(tensors)
+        self._received, self._complete = None, True
         return self.engine.fingerprints()
+
+    @property
+    def weights_complete(self) -> bool:
+        """False from `begin_receive` until an `end_receive` that found every tensor received."""
+        return self._complete
+
+    def begin_receive(self) -> None:
+        """Start a streamed receive: the weights count as incomplete until `end_receive`."""
+        self._received, self._complete = set(), False
+
+    def receive_bucket(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy one bucket (any subset of the names) into the engine's weights in place.
+        StateError (bucket not copied) for unknown names or wrong shapes, or without
+        `begin_receive`. Extra memory: none beyond the bucket itself."""
+        if self._received is None:
+            raise StateError("receive_bucket: no streamed receive under way; call begin_receive first")
+        self.engine.load_weights(tensors, partial=True)
+        self._received.update(tensors)
+
+    def end_receive(self) -> dict[str, Fingerprint]:
+        """End a streamed receive: StateError (weights stay incomplete) unless every tensor
+        arrived; else the fingerprints of ALL the engine's tensors (for `verify`)."""
+        if self._received is None:
+            raise StateError("end_receive: no streamed receive under way; call begin_receive first")
+        held = self.engine.fingerprints()
+        missing = sorted(set(held) - self._received)
+        if missing:
+            self._received = None
+            raise StateError(f"sync_weights: the streamed weights missed {len(missing)} tensors, e.g. {missing[:5]}; "
+                             "the sampler's weights are incomplete until a full sync")
+        self._received, self._complete = None, True
+        return held
+
+    @property
+    def asleep(self) -> bool:
+        return self.engine.asleep
+
+    def sleep(self) -> None:
+        """Release the engine's device memory (`SamplerEngine.sleep`; on a CPU engine nothing
+        moves and only the state is recorded). StateError when the engine cannot sleep."""
+        self.engine.sleep()
+
+    def wake(self) -> None:
+        """Bring the engine's weights and caches back (`SamplerEngine.wake`)."""
+        self.engine.wake()
+
+    def memory(self) -> dict[str, str | int | bool]:
+        """The engine's `memory()`: where the weights are and the bytes held on its device."""
+        return self.engine.memory()
 
     def set_version(self, version: int) -> None:
         self._version = version

@@ -3,10 +3,11 @@
 These are the seams a placement implements (today: `policy.PolicyZone`, `sampler.SamplerZone`
 and `reference.ReferenceZone` in this process; a Ray placement will put each behind an actor).
 Everything crossing them is plain data: floe.types requests and results, tensors by name,
-ints, and the dataclasses `WeightsSnapshot` and `ZoneState`; never a model or an optimizer.
+ints, paths, and the dataclasses `WeightsSnapshot` and `ZoneState`; never a model or an optimizer.
 
 Each zone owns its state and saves/loads it itself:
-* policy: weights, optimizer, step, torch's RNG;
+* policy: weights, optimizer, step, torch's RNG, written as files into the state directory
+  (so a sharded policy writes its own shards; `state.py` has the layouts);
 * sampler: weights version and the generator that seeds unseeded calls (its weights are the
   policy's, restored by a sync);
 * reference: nothing (frozen).
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -56,16 +57,20 @@ class PolicyWorker(Protocol):
         """The current weights (state-dict names) and their fingerprints, for a sync."""
         ...
 
-    def save_state(self) -> ZoneState:
-        """Weights (the fp32 masters under mixed precision), optimizer moments, step and torch
-        RNG. StateError while gradients wait for optim_step."""
+    def save_state(self, directory: Path) -> dict[str, Any]:
+        """Write the policy's files (weights — the fp32 masters under mixed precision —,
+        optimizer moments, torch RNG) into `directory` (the Backend's temp state directory; a
+        sharded policy's ranks write their own shards there) and return its state.json keys
+        (step, param_groups, optimizer_scalars, policy_layout; layouts in `state.py`).
+        StateError while gradients wait for optim_step (nothing written)."""
         ...
 
-    def check_state(self, state: ZoneState) -> None:
-        """StateError when `state` does not fit this policy (model, optimizer); changes nothing."""
+    def check_state(self, directory: Path, meta: dict[str, Any]) -> None:
+        """StateError when the policy saved in `directory` (either layout, saved by any number
+        of ranks) does not fit this policy (model, optimizer); changes nothing."""
         ...
 
-    def load_state(self, state: ZoneState) -> None:
+    def load_state(self, directory: Path, meta: dict[str, Any]) -> None:
         """Apply a checked state; gradients not yet applied are discarded. Optimizer
         hyper-parameters are not restored: the policy's configured values win, for every key."""
         ...

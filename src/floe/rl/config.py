@@ -287,6 +287,7 @@ RESUMABLE_KEYS = (
     "output.wandb_project",
     "output.tensorboard",
     "backend.num_threads",
+    "backend.placement",
     "backend.url",
     "backend.token",
 )

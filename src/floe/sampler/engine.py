@@ -1,8 +1,9 @@
 """The interface every sampler engine implements (torch today, vLLM next).
 
 An engine generates from token ids with its own copy of the weights and accepts new weights
-pushed in place. It holds no weights version and no seed generator: the sampler zone
-(`floe.backend.sampler.SamplerZone`) owns those and passes the version and a seed per call.
+pushed in place (whole, or bucket by bucket with `partial=True`). It holds no weights version
+and no seed generator: the sampler zone (`floe.backend.sampler.SamplerZone`) owns those and
+passes the version and one seed per prompt (`floe.backend.sampler.prompt_seeds`) per call.
 
 Contract of `generate` (every engine must meet it; tests/sampler checks the torch engine):
 * log-probs are those of the temperature-scaled distribution *before* top-k/top-p filtering,
@@ -13,7 +14,14 @@ Contract of `generate` (every engine must meet it; tests/sampler checks the torc
 * with `params.top_logprobs` = k > 0, each sample's `top_logprobs` holds, per token, the k
   most likely (token id, log-prob) of that same distribution, most likely first (the sampled
   token's log-prob equals its entry when it is among them); asking for them changes no draw;
-* the same (prompts, n, params, seed) on the same weights gives the same tokens;
+* the same (prompts, n, params, seeds) on the same weights gives the same tokens, and the
+  samples of a prompt depend on its own seed only: splitting a call's prompts (with their
+  seeds) over several calls or replicas gives the same samples (up to the engine's
+  batch-dependent float rounding of the logits; the torch engine draws counter-based noise,
+  `floe.sampler.noise`, so its draws themselves never depend on the batch);
+* `sleep()` releases the engine's device memory (weights to host memory, caches freed) and
+  `wake()` brings it back; `generate` while asleep raises StateError; an engine that cannot
+  sleep raises StateError saying why (never a silent no-op);
 * it is safe to call from several threads at once: an engine keeps no mutable state across
   a call (per-call generator and KV cache). Loading weights is never concurrent with
   `generate` (the Backend holds the sampler exclusively for it).
@@ -26,7 +34,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from floe.errors import StateError
+from floe.errors import InvalidInput, StateError
 from floe.types import SampledGroup, SamplingParams
 
 Fingerprint = tuple[float, float]  # (float64 sum, float64 sum of squares) of one tensor
@@ -39,12 +47,19 @@ def fingerprint(t: torch.Tensor) -> Fingerprint:
     return float(d.sum()), float((d * d).sum())
 
 
-def check_layout(own: Mapping[str, tuple[int, ...]], tensors: Mapping[str, torch.Tensor], what: str) -> None:
-    """StateError unless `tensors` has exactly the names and shapes of `own` (name -> shape).
+def check_layout(
+    own: Mapping[str, tuple[int, ...]], tensors: Mapping[str, torch.Tensor], what: str, partial: bool = False
+) -> None:
+    """StateError unless `tensors` has exactly the names and shapes of `own` (name -> shape);
+    with `partial`, any subset of the names (one bucket of a streamed sync).
 
     `what` names the two sides in the message, e.g. "sync_weights: policy and sampler models".
     Raised before anything is copied, so a mismatch changes nothing."""
-    if own.keys() != tensors.keys():
+    if partial:
+        unknown = sorted(set(tensors) - set(own))
+        if unknown:
+            raise StateError(f"{what} differ in tensors: {unknown[:5]}")
+    elif own.keys() != tensors.keys():
         raise StateError(f"{what} differ in tensors: {sorted(set(own) ^ set(tensors))[:5]}")
     wrong = [k for k, t in tensors.items() if tuple(t.shape) != tuple(own[k])]
     if wrong:
@@ -52,9 +67,12 @@ def check_layout(own: Mapping[str, tuple[int, ...]], tensors: Mapping[str, torch
 
 
 @torch.no_grad()
-def copy_in_place(own: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor], what: str) -> None:
-    """Copy `tensors` into `own`'s tensors in place (nothing reallocated) after `check_layout`."""
-    check_layout({k: tuple(v.shape) for k, v in own.items()}, tensors, what)
+def copy_in_place(
+    own: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor], what: str, partial: bool = False
+) -> None:
+    """Copy `tensors` into `own`'s tensors in place (nothing reallocated) after `check_layout`
+    (`partial`: a subset of the names is allowed)."""
+    check_layout({k: tuple(v.shape) for k, v in own.items()}, tensors, what, partial)
     for name, tensor in tensors.items():
         own[name].copy_(tensor)
 
@@ -63,6 +81,15 @@ def fingerprints(tensors: Mapping[str, torch.Tensor]) -> dict[str, Fingerprint]:
     """`fingerprint` of every named tensor: what `SamplerEngine.fingerprints` returns and
     what a weight sync (`floe.backend.sync`) compares with the policy's."""
     return {name: fingerprint(t) for name, t in tensors.items()}
+
+
+def seeds_match_prompts(prompts: list[list[int]], seeds: list[int]) -> None:
+    """InvalidInput("seeds", ...) unless there is one int seed in [0, 2^63) per prompt."""
+    if len(seeds) != len(prompts):
+        raise InvalidInput("seeds", f"{len(seeds)} seeds for {len(prompts)} prompts: give one seed per prompt "
+                                    "(floe.backend.sampler.prompt_seeds)")
+    if any(type(s) is not int or not 0 <= s < 2**63 for s in seeds):
+        raise InvalidInput("seeds", "seeds must be ints in [0, 2^63) (floe.backend.sampler.prompt_seeds makes them)")
 
 
 @runtime_checkable
@@ -75,19 +102,40 @@ class SamplerEngine(Protocol):
         ...
 
     def generate(
-        self, prompts: list[list[int]], n: int, params: SamplingParams, seed: int, version: int
+        self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[int], version: int
     ) -> list[SampledGroup]:
         """One `SampledGroup` per prompt (in order), n samples each, every sample stamped with
-        `version`. `seed` fixes every random draw of the call."""
+        `version`. `seeds[i]` (one per prompt, `seeds_match_prompts`) fixes every random draw
+        of prompt i's samples. StateError while asleep."""
         ...
 
-    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
+    def load_weights(self, tensors: Mapping[str, torch.Tensor], partial: bool = False) -> None:
         """Replace the engine's weights by `tensors` (name -> tensor, the policy's state-dict
-        names). Raises `StateError` before changing anything when names or shapes differ."""
+        names); with `partial`, only the named ones (a bucket: any subset of the names).
+        Raises `StateError` before changing anything when names or shapes differ."""
         ...
 
     def fingerprints(self) -> dict[str, Fingerprint]:
         """`fingerprints` of the weights the engine holds now, by state-dict name."""
+        ...
+
+    @property
+    def asleep(self) -> bool:
+        """True between `sleep` and `wake`."""
+        ...
+
+    def sleep(self) -> None:
+        """Release the engine's device memory (weights to host memory, caches freed).
+        StateError when the engine cannot sleep here. Idempotent."""
+        ...
+
+    def wake(self) -> None:
+        """Bring back what `sleep` released. Idempotent."""
+        ...
+
+    def memory(self) -> dict[str, str | int | bool]:
+        """Where the engine's memory is: at least "device", "weights_on", "device_bytes"
+        (bytes of its weights and caches on its device now) and "asleep"."""
         ...
 
     def close(self) -> None:

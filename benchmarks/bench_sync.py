@@ -1,0 +1,224 @@
+"""Weight sync across processes on CPU: seconds and bytes per sync, against memcpy bandwidth.
+
+For the tests' tiny Qwen3 (fp32, hidden 64, 2 layers) and a Qwen3-0.6B-shaped model (bf16,
+the real dimensions from bench_gpu.SHAPES, random values), with the tensors a sync moves (the
+model's state dict, built on the meta device and filled at random):
+
+* **local in-place copy** (one process, `local.InPlaceCopy`'s work): fingerprint the published
+  tensors, copy them into the sampler's tensors in place (`copy_in_place`), fingerprint those;
+* **gloo broadcast 1 → 2** (three processes, `floe.backend.sync.broadcast`): rank 0
+  `send_weights` in `--bucket-mb` buckets (fingerprints included), ranks 1–2 `receive_weights`,
+  copy each bucket in place and fingerprint what they hold; timed from a barrier before to a
+  barrier after (every receiver done); the receivers' fingerprints are checked against rank 0's;
+* **memcpy**: one `torch` copy of a buffer of the same number of bytes (the bandwidth bound);
+* **fingerprints**: the float64 (sum, sum of squares) of every tensor, once (part of both syncs).
+
+Every process runs with `--threads` torch threads (1: the machine has 2 shared cores). Results:
+benchmarks/results/sync.json and docs/img/sync.png.
+
+    .venv/bin/python benchmarks/bench_sync.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gpu import SHAPES
+from common import image_path, progress_bar, write_json
+
+# The tests' tiny model (tests/conftest.py: make_tiny(hidden_size=64, num_hidden_layers=2)).
+TINY = {"vocab_size": 105, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "tie_word_embeddings": False}
+MODELS: dict[str, tuple[dict[str, Any], torch.dtype]] = {
+    "tiny": (TINY, torch.float32),
+    "0.6b": (SHAPES["0.6b"], torch.bfloat16),
+}
+
+
+def named_shapes(model: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(state-dict name, shape) of every tensor a sync of `model` moves."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    with torch.device("meta"):
+        net = Qwen3ForCausalLM(Qwen3Config(**MODELS[model][0]))
+    return [(name, tuple(t.shape)) for name, t in net.state_dict().items()]
+
+
+def make_tensors(model: str, random: bool) -> dict[str, torch.Tensor]:
+    dtype = MODELS[model][1]
+    g = torch.Generator().manual_seed(0)
+    if not random:
+        return {name: torch.empty(shape, dtype=dtype) for name, shape in named_shapes(model)}
+    return {name: (torch.rand(shape, generator=g) - 0.5).to(dtype) for name, shape in named_shapes(model)}
+
+
+def nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _broadcast_worker(rank: int, port: int, model: str, reps: int, bucket_bytes: int, threads: int, out: str) -> None:
+    """One process of the 1 → 2 broadcast world; each rank writes its timings and the
+    fingerprints it ended with to `out`/rank<r>.json."""
+    torch.set_num_threads(threads)
+    import torch.distributed as dist
+
+    from floe.backend.sync.broadcast import bucketed, receive_weights, send_weights
+    from floe.sampler.engine import copy_in_place, fingerprints
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3,
+                            timeout=timedelta(seconds=600))
+    tensors = make_tensors(model, random=rank == 0)
+    seconds, sent, prints = [], 0, {}
+    for _ in range(reps):
+        dist.barrier()
+        began = time.perf_counter()
+        if rank == 0:
+            prints, sent = send_weights(dist.group.WORLD, 0, bucketed(tensors.items(), bucket_bytes))
+        else:
+            for bucket in receive_weights(dist.group.WORLD, 0, "cpu"):
+                copy_in_place(tensors, bucket, "bench", partial=True)
+            prints = fingerprints(tensors)
+        dist.barrier()
+        seconds.append(time.perf_counter() - began)
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"seconds": seconds, "bytes": sent, "fingerprints": prints}))
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def broadcast_arm(model: str, reps: int, bucket_bytes: int, threads: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = tmp
+        ctx = multiprocessing.get_context("spawn")
+        port = _free_port()
+        procs = [ctx.Process(target=_broadcast_worker, args=(r, port, model, reps, bucket_bytes, threads, out))
+                 for r in range(3)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=900)
+        if any(p.exitcode != 0 for p in procs):
+            raise RuntimeError(f"broadcast workers failed: exit codes {[p.exitcode for p in procs]}")
+        ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(3)]
+        equal = ranks[0]["fingerprints"] == ranks[1]["fingerprints"] == ranks[2]["fingerprints"]
+        return {"seconds": ranks[0]["seconds"], "bytes": ranks[0]["bytes"], "fingerprints_equal": equal}
+
+
+def timed(fn: Any, reps: int) -> list[float]:
+    fn()  # warm-up (page faults of fresh buffers)
+    out = []
+    for _ in range(reps):
+        began = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - began)
+    return out
+
+
+def local_arms(model: str, reps: int, progress: Any) -> dict[str, Any]:
+    """fingerprints, local in-place copy and memcpy, in this process (buffers freed on return)."""
+    from floe.sampler.engine import copy_in_place, fingerprints
+
+    task = progress.add_task(f"{model}: local arms", total=3)
+    src, dst = make_tensors(model, random=True), make_tensors(model, random=False)
+    size = nbytes(src)
+    result: dict[str, Any] = {"bytes": size, "tensors": len(src), "dtype": str(MODELS[model][1])}
+    result["fingerprints_s"] = timed(lambda: fingerprints(src), reps)
+    progress.advance(task)
+
+    def local() -> None:
+        published = fingerprints(src)
+        copy_in_place(dst, src, "bench")
+        if fingerprints(dst) != published:
+            raise RuntimeError("local copy: fingerprints differ")
+
+    result["local_inplace_s"] = timed(local, reps)
+    progress.advance(task)
+    flat_src = torch.empty(size, dtype=torch.uint8).fill_(1)
+    flat_dst = torch.empty_like(flat_src)
+    result["memcpy_s"] = timed(lambda: flat_dst.copy_(flat_src), reps)
+    progress.advance(task)
+    return result
+
+
+def run_model(model: str, reps: int, bucket_bytes: int, threads: int, progress: Any) -> dict[str, Any]:
+    result = local_arms(model, reps, progress)
+    size = result["bytes"]
+    task = progress.add_task(f"{model}: gloo broadcast 1 → 2 ({reps} reps)", total=1)
+    result["broadcast"] = broadcast_arm(model, reps, bucket_bytes, threads)
+    result["gloo_broadcast_s"] = result["broadcast"]["seconds"]
+    progress.advance(task)
+    for arm in ("fingerprints_s", "local_inplace_s", "memcpy_s", "gloo_broadcast_s"):
+        best = min(result[arm])
+        result[arm.removesuffix("_s") + "_summary"] = {"min_s": best, "median_s": statistics.median(result[arm]),
+                                                       "gb_per_s": size / best / 1e9}
+    return result
+
+
+def plot(results: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = [("memcpy", "memcpy"), ("local_inplace", "local in-place\n(+ fingerprints)"),
+            ("gloo_broadcast", "gloo broadcast 1→2\n(+ fingerprints)"), ("fingerprints", "fingerprints only")]
+    fig, ax = plt.subplots(figsize=(7.5, 4))
+    width = 0.8 / len(results)
+    for i, (model, res) in enumerate(results.items()):
+        xs = [j + (i - (len(results) - 1) / 2) * width for j in range(len(arms))]
+        values = [res[f"{a}_summary"]["gb_per_s"] for a, _ in arms]
+        ax.bar(xs, values, width, label=f"{model} ({res['bytes'] / 1e6:.1f} MB, {res['dtype'].removeprefix('torch.')})")
+        for x, v in zip(xs, values):
+            ax.text(x, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(arms)), [label for _, label in arms], fontsize=8)
+    ax.set_ylabel("GB/s (bytes of one weights copy / best seconds)")
+    ax.set_title("Weight sync on CPU: bytes moved per second")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(image_path("sync"), dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", action="append", choices=sorted(MODELS), help="default: tiny and 0.6b")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--bucket-mb", type=float, default=256.0)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    bucket_bytes = int(args.bucket_mb * 2**20)
+    results: dict[str, Any] = {}
+    with progress_bar() as progress:
+        for model in args.model or ["tiny", "0.6b"]:
+            results[model] = run_model(model, args.reps, bucket_bytes, args.threads, progress)
+    path = write_json("sync", {"bucket_bytes": bucket_bytes, "reps": args.reps, "results": results})
+    plot(results)
+    print(f"results: {path}")
+    for model, res in results.items():
+        print(f"{model}: {res['bytes'] / 1e6:.1f} MB in {res['tensors']} tensors ({res['dtype']}); "
+              f"fingerprints equal after broadcast: {res['broadcast']['fingerprints_equal']}")
+        for arm in ("memcpy", "local_inplace", "gloo_broadcast", "fingerprints"):
+            s = res[f"{arm}_summary"]
+            print(f"  {arm:15s} min {s['min_s'] * 1e3:9.2f} ms  median {s['median_s'] * 1e3:9.2f} ms  "
+                  f"{s['gb_per_s']:6.2f} GB/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Build a Python 3.12 environment in which prime-rl's real orchestrator (pinned commit
+# floe.integrations.prime_rl.PRIME_RL_COMMIT) imports and starts on a CPU machine. Outside the
+# repository: everything goes under $PRL_ROOT (default /tmp/prime-rl-orch).
+#
+# Usage: PRIME_RL_SRC=<prime-rl checkout at the pinned commit> \
+#        TORCHTITAN_SRC=<torchtitan checkout at 23e4dfc (prime-rl's uv source pin)> \
+#        bash scripts/prime_rl/orchestrator_env.sh
+# Then:  PYTHONPATH=$PRL_ROOT/stubs $PRL_ROOT/venv/bin/orchestrator --help
+#
+# What it shows (verified at the pinned commit, 2026-12): the orchestrator's own runtime needs
+# are CPU packages, but two GPU-only packages are imported unconditionally at module load,
+#   prime_rl/orchestrator/orchestrator.py:77 -> orchestrator/watcher.py:14
+#     -> transports/weights/__init__.py:8  -> transports/weights/filesystem.py:10
+#     -> trainer/lora.py:8 -> trainer/models/__init__.py:16 (glm_moe_dsa)
+#     -> glm_moe_dsa/sparse_mla_attention.py:10 -> utils/cp.py:12 `from ring_flash_attn import ...`
+#     -> ring_flash_attn/__init__.py -> `from flash_attn.flash_attn_interface import ...`  (flash-attn: CUDA wheel)
+#   transports/weights/__init__.py:9 -> transports/weights/nccl.py:11
+#     `from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator`        (vllm: GPU build)
+# so $PRL_ROOT/stubs holds import-only stand-ins for exactly those names (every call raises);
+# the filesystem weight broadcast and rollout transport the floe overlay selects call neither.
+set -euo pipefail
+: "${PRIME_RL_SRC:?a prime-rl source snapshot at the pinned commit}"
+: "${TORCHTITAN_SRC:?a torchtitan source snapshot at 23e4dfc}"
+PRL_ROOT=${PRL_ROOT:-/tmp/prime-rl-orch}
+PY312=${PY312:-/root/.pyenv/versions/3.12.1/bin/python}
+mkdir -p "$PRL_ROOT"
+[ -x "$PRL_ROOT/venv/bin/python" ] || "$PY312" -m venv "$PRL_ROOT/venv"
+PIP="$PRL_ROOT/venv/bin/pip"
+"$PIP" install --quiet --upgrade pip
+# torch 2.13.0 for cp312 (PyPI's build; it runs on CPU, with its nvidia-* runtime wheels).
+"$PIP" install --quiet torch==2.13.0
+"$PIP" install --quiet --no-deps -e "$PRIME_RL_SRC" -e "$PRIME_RL_SRC/packages/prime-rl-configs"
+"$PIP" install --quiet --no-deps "$TORCHTITAN_SRC"
+# What the orchestrator's modules import, found by importing and reading the errors; versions
+# from prime-rl's uv.lock where the newest release breaks an import (wandb_gql left wandb 0.28,
+# torchao.prototype.mx_formats.mx_linear left torchao 0.18).
+"$PIP" install --quiet "verifiers==0.4.0" msgspec "prime>=0.6.19" "modelexpress" orjson pyarrow \
+  "wandb==0.27.0" "wandb-workspaces>=0.4.3" "transformers==5.6.2" aiolimiter prometheus_client \
+  ring_flash_attn flash-linear-attention pynvml jaxtyping "torchao==0.17.0" psutil setproctitle tyro \
+  datasets torchdata tensorboard
+
+STUBS="$PRL_ROOT/stubs"
+mkdir -p "$STUBS/flash_attn" "$STUBS/flash_attn-2.8.3.dist-info" "$STUBS/vllm/distributed/device_communicators"
+printf '"""Import stub (see scripts/prime_rl/orchestrator_env.sh)."""\n__version__ = "2.8.3"\n' > "$STUBS/flash_attn/__init__.py"
+cat > "$STUBS/flash_attn/flash_attn_interface.py" <<'PY'
+"""Import stub for ring_flash_attn's module-level imports; every call raises."""
+
+
+def _unavailable(*args, **kwargs):
+    raise RuntimeError("flash_attn import stub: a CUDA wheel, never called by the orchestrator")
+
+
+_flash_attn_forward = _flash_attn_backward = _unavailable
+_flash_attn_varlen_forward = _flash_attn_varlen_backward = _unavailable
+flash_attn_func = flash_attn_varlen_func = _unavailable
+PY
+# transformers looks the distribution up by name once the module is importable.
+printf 'Metadata-Version: 2.1\nName: flash_attn\nVersion: 2.8.3\n' > "$STUBS/flash_attn-2.8.3.dist-info/METADATA"
+printf 'flash_attn\n' > "$STUBS/flash_attn-2.8.3.dist-info/top_level.txt"
+printf '"""Import stub (see scripts/prime_rl/orchestrator_env.sh)."""\n' > "$STUBS/vllm/__init__.py"
+: > "$STUBS/vllm/distributed/__init__.py"
+: > "$STUBS/vllm/distributed/device_communicators/__init__.py"
+printf 'class PyNcclCommunicator:  # import stub\n    def __init__(self, *a, **k):\n        raise RuntimeError("vllm import stub")\n' \
+  > "$STUBS/vllm/distributed/device_communicators/pynccl.py"
+printf 'class StatelessProcessGroup:  # import stub\n    pass\n' > "$STUBS/vllm/distributed/utils.py"
+
+cd "$PRL_ROOT"  # not the repository: its tests/ would shadow modules
+PYTHONPATH="$STUBS" "$PRL_ROOT/venv/bin/python" -c "import prime_rl.orchestrator.orchestrator, prime_rl.entrypoints.orchestrator, prime_rl.entrypoints.env_server"
+echo "orchestrator_env.sh: prime-rl's orchestrator imports in $PRL_ROOT/venv (PYTHONPATH=$STUBS)"

@@ -1,0 +1,188 @@
+"""Cross-process weight broadcast over a torch.distributed group (gloo on CPU, NCCL on GPU).
+
+The policy's rank 0 (`src`) streams the full weights, bucket by bucket, to every other member
+of `group` (the sampler replicas); each replica copies a bucket into its engine before the
+next arrives. Not Ray-specific: any placement that has built such a group uses it.
+
+Wire protocol, per bucket (all `torch.distributed.broadcast` from `src`):
+1. the header's length in bytes, an int64 tensor [1];
+2. the header, a uint8 tensor: JSON {"tensors": [[name, shape, dtype], ...]}, dtypes as
+   torch names ("float32", "bfloat16", ...); the tensors are grouped by dtype in order of
+   first appearance;
+3. one contiguous buffer per dtype (the bucket's tensors of that dtype flattened and
+   concatenated in header order), sent as its uint8 bytes, so every backend carries every
+   dtype (gloo has no bfloat16 reduction support; a broadcast of bytes needs none).
+After the last bucket the length 0 ends the stream; the length -1 aborts it (the sender's
+bucket source failed or a bucket was not finite: the receivers raise StateError).
+So a bucket of k dtypes costs k + 2 broadcasts, whatever its number of tensors.
+
+Memory bound: besides the caller's own bucket, the sender holds one flattened copy of the
+current bucket (its per-dtype buffers); a receiver holds one bucket's buffers, which the
+tensors it yields are views of, until it asks for the next bucket. Peak extra memory on either
+side is therefore one bucket (≤ bucket_bytes, or the largest single tensor when that is
+larger) plus one header (≈ 100 bytes per tensor).
+
+Finite weights: the caller must refuse non-finite weights *before* anything is sent (the
+sharded policy's collective `all_finite()`, or `check_publishable` of a snapshot). As a last
+guard `send_weights` also checks every bucket's fingerprints before sending it and aborts the
+stream (StateError) if one is not finite; receivers then raise and their sampler stays
+incomplete (`SamplerZone.weights_complete`), so the Backend's version does not move.
+
+A receiver that cannot apply a bucket must still take part in every later broadcast of the
+stream (they are collectives): `receive_into` drains the stream after a failure before raising.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from floe.errors import StateError
+from floe.sampler.engine import Fingerprint, fingerprints
+
+if TYPE_CHECKING:
+    from floe.backend.sampler import SamplerZone
+
+__all__ = ["bucketed", "receive_into", "receive_weights", "send_weights"]
+
+_END, _ABORT = 0, -1
+_DTYPES = {name: getattr(torch, name) for name in (
+    "float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")}
+
+
+def _comm_device(group: dist.ProcessGroup) -> torch.device:
+    """Where the group's collectives need their tensors: the current CUDA device for NCCL,
+    the CPU otherwise."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise StateError(f"sync_weights: cannot broadcast tensors of dtype {dtype}")
+    return name
+
+
+def _send_length(group: dist.ProcessGroup, src: int, length: int, device: torch.device) -> None:
+    dist.broadcast(torch.tensor([length], dtype=torch.int64, device=device), src, group=group)
+
+
+def bucketed(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+    """Group named tensors into buckets of at most `bucket_bytes` bytes, in order (a tensor
+    larger than that gets a bucket alone). The tensors are not copied."""
+    bucket: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = {}, 0
+        bucket[name] = t
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def send_weights(
+    group: dist.ProcessGroup, src: int, buckets: Iterable[dict[str, torch.Tensor]]
+) -> tuple[dict[str, Fingerprint], int]:
+    """Broadcast `buckets` (name -> full tensor) from this rank (`src`) to the rest of `group`
+    (the protocol is in the module docstring). Empty buckets are skipped. Returns the
+    fingerprints of every tensor sent (`floe.sampler.engine.fingerprint`, of the full tensors)
+    and the bytes sent (tensor data; headers excluded).
+
+    StateError (after broadcasting the abort marker, so receivers do not hang) when a bucket is
+    not finite or has an unsupported dtype; an exception raised by `buckets` itself also aborts
+    the stream before it propagates. Peak extra memory: one bucket (module docstring)."""
+    device = _comm_device(group)
+    sent: dict[str, Fingerprint] = {}
+    total = 0
+    try:
+        for bucket in buckets:
+            if not bucket:
+                continue
+            prints = fingerprints(bucket)
+            broken = [name for name, fp in prints.items() if not all(math.isfinite(x) for x in fp)]
+            if broken:
+                raise StateError(f"sync_weights: policy weights are not finite in {broken[:5]}; the samplers' weights "
+                                 "are incomplete until a sync succeeds")
+            order: dict[str, list[str]] = {}  # dtype name -> tensor names, in first-appearance order
+            for name, t in bucket.items():
+                order.setdefault(_dtype_name(t.dtype), []).append(name)
+            header = [[name, list(bucket[name].shape), dtype] for dtype, names in order.items() for name in names]
+            raw = torch.frombuffer(bytearray(json.dumps({"tensors": header}).encode()), dtype=torch.uint8)
+            _send_length(group, src, raw.numel(), device)
+            dist.broadcast(raw.to(device), src, group=group)
+            for names in order.values():
+                flat = torch.cat([bucket[name].detach().reshape(-1) for name in names]).to(device)
+                dist.broadcast(flat.view(torch.uint8), src, group=group)
+                total += flat.numel() * flat.element_size()
+                del flat
+            sent.update(prints)
+    except BaseException:
+        _send_length(group, src, _ABORT, device)
+        raise
+    _send_length(group, src, _END, device)
+    return sent, total
+
+
+def receive_weights(group: dist.ProcessGroup, src: int, device: torch.device | str) -> Iterator[dict[str, torch.Tensor]]:
+    """On every member of `group` but `src`: yield each bucket `send_weights` broadcasts, as
+    tensors on `device` (views into the bucket's received buffers, valid until the next bucket
+    is asked for). Ends at the end marker; StateError when the sender aborts. The caller must
+    exhaust the iterator (every broadcast is a collective): use `receive_into` to load a
+    sampler. Peak extra memory: one bucket (module docstring)."""
+    device = torch.device(device)
+    comm = _comm_device(group)
+    while True:
+        length = torch.zeros(1, dtype=torch.int64, device=comm)
+        dist.broadcast(length, src, group=group)
+        n = int(length.item())
+        if n == _END:
+            return
+        if n == _ABORT:
+            raise StateError("sync_weights: the policy aborted the weight broadcast midway; the sampler's weights are "
+                             "incomplete until a sync succeeds")
+        raw = torch.empty(n, dtype=torch.uint8, device=comm)
+        dist.broadcast(raw, src, group=group)
+        header = json.loads(raw.cpu().numpy().tobytes().decode())["tensors"]
+        bucket: dict[str, torch.Tensor] = {}
+        groups: dict[str, list[tuple[str, list[int]]]] = {}
+        for name, shape, dtype in header:
+            groups.setdefault(dtype, []).append((name, shape))
+        for dtype, members in groups.items():
+            numels = [math.prod(shape) for _, shape in members]
+            flat = torch.empty(sum(numels), dtype=_DTYPES[dtype], device=comm)
+            dist.broadcast(flat.view(torch.uint8), src, group=group)
+            flat = flat.to(device)
+            for (name, shape), part in zip(members, torch.split(flat, numels), strict=True):
+                bucket[name] = part.view(shape)
+            del flat
+        yield bucket
+        del bucket
+
+
+def receive_into(sampler: SamplerZone, group: dist.ProcessGroup, src: int, device: torch.device | str) -> dict[str, Fingerprint]:
+    """Receive a whole broadcast into `sampler`: `begin_receive`, `receive_bucket` per
+    bucket, `end_receive`; returns the fingerprints of ALL the sampler's tensors (for
+    `verify`). When a bucket cannot be applied, the rest of the stream is still received (and
+    dropped) so the sender and the other receivers finish, then the error is raised; the
+    sampler stays incomplete (it refuses to sample until a sync succeeds)."""
+    sampler.begin_receive()
+    failure: BaseException | None = None
+    for bucket in receive_weights(group, src, device):
+        if failure is None:
+            try:
+                sampler.receive_bucket(bucket)
+            except Exception as e:  # noqa: BLE001 - re-raised below, after the collectives end
+                failure = e
+    if failure is not None:
+        raise failure
+    return sampler.end_receive()

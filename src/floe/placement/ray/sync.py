@@ -1,0 +1,72 @@
+"""Weight sync across the Ray placement's processes: policy ranks → every sampler replica.
+
+Both methods first ask every policy rank `all_finite()` (a collective): non-finite weights are
+refused with StateError before a byte moves, and the version does not move. Both move the full
+tensors bucket by bucket (`ShardedPolicyZone.full_tensor_buckets`: the FSDP shards are gathered
+one bucket at a time, full on rank 0), and both check that every replica ends up holding exactly
+what was published (`proxies.same_fingerprints`); the Backend then verifies published ==
+received and bumps the version.
+
+* `RayBroadcastSync` (placement.sync = "broadcast"): rank 0 broadcasts each bucket over the
+  sync group (policy rank 0 + every replica; NCCL on GPU, gloo on CPU) while the replicas
+  receive (`backend.sync.broadcast`). Peak extra memory: one bucket (sync_bucket_mb) on the
+  sender and on each replica, plus the gather buffers of one bucket on every policy rank.
+* `RayObjectStoreSync` (placement.sync = "object_store", the fallback when no collective group
+  can span the processes): rank 0 puts each bucket into Ray's object store as plain CPU
+  tensors and every replica fetches them one at a time. Peak extra memory: the whole weights
+  once in the object store (shared by the replicas of a node), one bucket in each replica.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from floe.backend.sync.base import SyncReport, WeightSync
+from floe.errors import StateError
+from floe.placement.ray.calls import Call, gather
+from floe.placement.ray.proxies import RayPolicy, RaySamplerGroup, same_fingerprints
+
+__all__ = ["RayBroadcastSync", "RayObjectStoreSync"]
+
+
+def _refuse_non_finite(policy: RayPolicy) -> None:
+    if not policy.all_finite():
+        raise StateError("sync_weights: policy weights are not finite; the sampler was not changed")
+
+
+class RayBroadcastSync(WeightSync):
+    """torch.distributed broadcast from policy rank 0 to every replica (module docstring)."""
+
+    name = "broadcast"
+
+    def __init__(self, bucket_bytes: int, timeout_s: float):
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+
+    def sync(self, policy: Any, sampler: Any) -> SyncReport:
+        assert isinstance(policy, RayPolicy) and isinstance(sampler, RaySamplerGroup)
+        _refuse_non_finite(policy)
+        sends = [Call("policy", i, r.send_weights.remote(self.bucket_bytes)) for i, r in enumerate(policy.ranks)]
+        receives = [Call("sampler", i, r.receive_weights.remote()) for i, r in enumerate(sampler.replicas)]
+        answers = gather(sends + receives, self.timeout_s)
+        published, size = answers[0]
+        return SyncReport(published, same_fingerprints(answers[len(sends):]), size)
+
+
+class RayObjectStoreSync(WeightSync):
+    """Buckets through Ray's object store (module docstring)."""
+
+    name = "object_store"
+
+    def __init__(self, bucket_bytes: int, timeout_s: float):
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+
+    def sync(self, policy: Any, sampler: Any) -> SyncReport:
+        assert isinstance(policy, RayPolicy) and isinstance(sampler, RaySamplerGroup)
+        _refuse_non_finite(policy)
+        puts = gather([Call("policy", i, r.put_weights.remote(self.bucket_bytes)) for i, r in enumerate(policy.ranks)],
+                      self.timeout_s)
+        refs, published, size = puts[0]
+        takes = [Call("sampler", i, r.take_weights.remote(refs, self.timeout_s)) for i, r in enumerate(sampler.replicas)]
+        return SyncReport(published, same_fingerprints(gather(takes, self.timeout_s)), size)
