@@ -5,6 +5,7 @@
 #
 # Usage: PRIME_RL_SRC=<prime-rl checkout at the pinned commit> \
 #        TORCHTITAN_SRC=<torchtitan checkout at 23e4dfc (prime-rl's uv source pin)> \
+#        VERIFIERS_SRC=<PrimeIntellect-ai/verifiers at a60a606 (prime-rl's deps/verifiers submodule)> \
 #        bash scripts/prime_rl/orchestrator_env.sh
 # Then:  PYTHONPATH=$PRL_ROOT/stubs $PRL_ROOT/venv/bin/orchestrator --help
 #
@@ -22,6 +23,7 @@
 set -euo pipefail
 : "${PRIME_RL_SRC:?a prime-rl source snapshot at the pinned commit}"
 : "${TORCHTITAN_SRC:?a torchtitan source snapshot at 23e4dfc}"
+: "${VERIFIERS_SRC:?a PrimeIntellect-ai/verifiers snapshot at a60a606ecc4d309247edf9ff92c3eabca362781f}"
 PRL_ROOT=${PRL_ROOT:-/tmp/prime-rl-orch}
 PY312=${PY312:-/root/.pyenv/versions/3.12.1/bin/python}
 mkdir -p "$PRL_ROOT"
@@ -39,6 +41,13 @@ PIP="$PRL_ROOT/venv/bin/pip"
   "wandb==0.27.0" "wandb-workspaces>=0.4.3" "transformers==5.6.2" aiolimiter prometheus_client \
   ring_flash_attn flash-linear-attention pynvml jaxtyping "torchao==0.17.0" psutil setproctitle tyro \
   datasets torchdata tensorboard
+# The orchestrator at the pinned commit needs the verifiers it pins (its deps/verifiers submodule,
+# a60a606ecc4d309247edf9ff92c3eabca362781f, after 0.4.0): with the 0.4.0 release its train sink
+# fails on `Branch.multi_modal_data` (orchestrator/trajectories.py:134). verifiers 0.4.0 above
+# brings the dependencies; the pinned source replaces it, plus what it adds (mcp < 2, uvloop).
+# hatch-vcs cannot read a version from a source snapshot: give it one.
+SETUPTOOLS_SCM_PRETEND_VERSION=0.4.1.dev0 "$PIP" install --quiet --no-deps "$VERIFIERS_SRC"
+"$PIP" install --quiet "mcp>=1.24.0,<2" uvloop
 
 STUBS="$PRL_ROOT/stubs"
 mkdir -p "$STUBS/flash_attn" "$STUBS/flash_attn-2.8.3.dist-info" "$STUBS/vllm/distributed/device_communicators"

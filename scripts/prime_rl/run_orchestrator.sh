@@ -93,14 +93,18 @@ PIDS+=($TRAINER)
 set +e
 PYTHONPATH="$PRL_PATH" timeout "$TIMEOUT_S" "$PRL_BIN/orchestrator" @ "$WORK/orch.toml" > "$WORK/logs/orchestrator.log" 2>&1
 ORCH_RC=$?
+# The trainer ends by itself after MAX_STEPS; if the orchestrator failed it would wait on.
+[ "$ORCH_RC" = 0 ] || kill "$TRAINER" 2>/dev/null
 wait "$TRAINER"
 TRAINER_RC=$?
 set -e
 
 echo "== orchestrator exit $ORCH_RC, trainer exit $TRAINER_RC"
 echo "== trainer"; grep "prime-trainer:" "$WORK/logs/trainer.log" || tail -30 "$WORK/logs/trainer.log"
-echo "== orchestrator"; grep -E "Step [0-9]|weight|Weight|step_|SUCCESS|ERROR|Error" "$WORK/logs/orchestrator.log" | tail -60 || true
+echo "== orchestrator"
+sed 's/\x1b\[[0-9;]*m//g' "$WORK/logs/orchestrator.log" | grep -E "SUCCESS|ERROR|Error|policy in-flight" | tail -40 || true
 echo "== broadcasts"; ls "$RUN_DIR/broadcasts"/*/STABLE 2>/dev/null || true
 echo "== rollouts"; ls "$RUN_DIR/rollouts"/*/ 2>/dev/null || true
-echo "== floe serve prime-rl calls"; grep -oE '"(POST|GET) /(update_weights|pause|resume|inference/v1/generate|v1/models)[^"]*"' "$WORK/logs/floe_serve.log" | sort | uniq -c || true
+echo "== floe serve requests (count, method, path, status)"
+grep -oE '"method": "[A-Z]+", "path": "[^"]+", "status": [0-9]+' "$WORK/logs/floe_serve.log" | sort | uniq -c || true
 [ "$ORCH_RC" = 0 ] && [ "$TRAINER_RC" = 0 ]

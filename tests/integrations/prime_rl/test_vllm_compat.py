@@ -89,3 +89,24 @@ def test_update_weights_checks_the_published_version(prime_server, tmp_path: Pat
     assert httpx.get(prime_server.url + "/health").json() == {"status": "ok"}
     assert client.info().sampler_version == info.sampler_version  # nothing changed
     client.close()
+
+
+def test_generate_takes_the_orchestrators_sampling_params(prime_server) -> None:
+    """prime-rl's orchestrator adds top_k=-1, min_p=0 and return_token_ids=true to every policy
+    env's sampling (its resolve_env_config) and a per-group cache_salt, and verifiers' training
+    client (at prime-rl's pinned commit) forwards them all in `sampling_params` (seen on the real
+    orchestrator's run, scripts/prime_rl/run_orchestrator.sh): accepted, and the same tokens and
+    log-probs as the request without them (each changes nothing in floe)."""
+    prompt = [5, 9, 13, 2, 7]
+    base = {"max_tokens": 6, "temperature": 0.9, "logprobs": 1, "stop_token_ids": [], "seed": 11,
+            "skip_special_tokens": False}
+    plain = post(prime_server, "/inference/v1/generate", json={"token_ids": prompt, "sampling_params": base})
+    orch = post(prime_server, "/inference/v1/generate", json={
+        "token_ids": prompt, "sampling_params": {**base, "top_k": -1, "min_p": 0.0, "return_token_ids": True,
+                                                   "cache_salt": "group-7"}})
+    assert plain.status_code == 200, plain.text
+    assert orch.status_code == 200, orch.text
+    want, got = plain.json()["choices"][0], orch.json()["choices"][0]
+    assert got["token_ids"] == want["token_ids"]
+    assert [c["logprob"] for c in got["logprobs"]["content"]] == pytest.approx(
+        [c["logprob"] for c in want["logprobs"]["content"]], abs=1e-6)

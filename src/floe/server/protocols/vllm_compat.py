@@ -20,9 +20,9 @@ pre-flight prompt-length check.
 
 generate body: `model`, `token_ids`, `sampling_params` (max_tokens, temperature, top_p, top_k,
 n, seed, stop_token_ids, stop, ignore_eos, logprobs (the sampled token's log-prob is always
-returned; k > 0 adds k alternatives), skip_special_tokens and the other detokenizer switches
-(floe returns ids, so they change nothing), and vLLM's penalties at their neutral values only),
-`cache_salt`, `priority`, `request_id`. Multimodal `features` / `content_parts` and
+returned; k > 0 adds k alternatives), skip_special_tokens, return_token_ids and the other
+detokenizer switches (floe returns ids, so they change nothing), and vLLM's penalties at their neutral values only),
+`cache_salt` (also accepted inside `sampling_params`), `priority`, `request_id`. Multimodal `features` / `content_parts` and
 `prompt_logprobs` are refused naming the field. Answer: `{"request_id", "prompt_token_ids",
 "choices": [{"index", "token_ids", "logprobs": {"content": [{"token": "token_id:ID",
 "logprob", "top_logprobs"}]}, "finish_reason": "stop"|"length"}]}`.
@@ -63,8 +63,10 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1), "output_kind": (None,),
 }
 # Detokenizer switches: floe answers token ids, so any value is accepted and changes nothing.
+# `return_token_ids`: prime-rl's orchestrator puts it in every policy env's sampling extra_body
+# (configs/orchestrator.py resolve_env_config), which verifiers' training client forwards here.
 DETOKENIZER = ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
-               "detokenize", "routed_experts_prompt_start")
+               "detokenize", "routed_experts_prompt_start", "return_token_ids")
 
 
 class _Strict(BaseModel):
@@ -82,6 +84,10 @@ class GenerateSampling(_Strict):
     stop: list[str] | str | None = None
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Prefix-cache isolation, as on the request itself: floe's sampler keeps no prefix cache
+    # across requests, so it changes nothing. verifiers' training client at prime-rl's pinned
+    # commit sends the orchestrator's per-group salt here (sampling extra_body).
+    cache_salt: str | None = None
 
 
 class GenerateRequest(_Strict):
