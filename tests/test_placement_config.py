@@ -39,6 +39,17 @@ def test_ray_keys_are_parsed_with_documented_defaults() -> None:
         ({"kind": "ray", "sampler": {"gpus": 1}}, "BackendConfig", "placement.sampler.gpus = 1.0 with device = 'cpu'"),
         ({"kind": "local", "policy": {"workers": 2}}, "placement.policy", "unknown key"),
         ({"kind": "mars"}, "placement", "'local', 'ray'"),
+        # strict types: no quoted numbers or words for booleans
+        ({"kind": "ray", "colocate": "yes"}, "placement.colocate", "got 'yes'; write true or false"),
+        ({"kind": "ray", "policy": {"workers": "2"}}, "placement.policy.workers", "got '2'; write a whole number"),
+        ({"kind": "ray", "policy": {"cpus": "0.5"}}, "placement.policy.cpus", "got '0.5'; write a number"),
+        ({"kind": "ray", "call_timeout_s": "1e9"}, "placement.call_timeout_s", "got '1e9'"),
+        ({"kind": "ray", "sync_bucket_mb": 1e-9}, "placement.sync_bucket_mb", "greater than or equal to 1"),
+        ({"kind": "ray", "reference": {"colocate_with_policy": True, "cpus": 8}}, "placement.reference",
+         "reference.cpus has no effect with colocate_with_policy = true"),
+        ({"kind": "ray", "address": "ray://"}, "placement.address", "is not \"ray://host:port\""),
+        ({"kind": "ray", "address": "ray://head"}, "placement.address", "is not \"ray://host:port\""),
+        ({"kind": "ray", "address": "ray://head:0"}, "placement.address", "is not \"ray://host:port\""),
     ],
 )
 def test_bad_placements_name_the_key(placement: dict, field: str, words: str) -> None:
@@ -51,6 +62,35 @@ def test_bad_placements_name_the_key(placement: dict, field: str, words: str) ->
 def test_a_cuda_device_needs_policy_gpus() -> None:
     with pytest.raises(InvalidInput, match="placement.policy.gpus = 0 with a cuda device"):
         floe.BackendConfig(model="m", device="cuda", placement={"kind": "ray"})
+
+
+@pytest.mark.parametrize(
+    ("placement", "extra", "words"),
+    [
+        ({"policy": {"gpus": 1}}, {}, "placement.sampler.gpus = 0 with a cuda device"),
+        ({"policy": {"gpus": 1}, "sampler": {"gpus": 1}}, {}, "placement.reference.gpus = 0 with a cuda device"),
+        ({"colocate": True, "policy": {"gpus": 1}, "sampler": {"gpus": 1}, "reference": {"colocate_with_policy": True}},
+         {}, "policy.gpus + sampler.gpus (1 + 1) must be at most 1"),
+    ],
+)
+def test_gpu_combinations_that_cannot_work_are_refused(placement: dict, extra: dict, words: str) -> None:
+    with pytest.raises(InvalidInput) as e:
+        floe.BackendConfig(model="m", device="cuda", placement={"kind": "ray", **placement}, **extra)
+    assert words in e.value.message
+
+
+def test_gpu_combinations_that_work_are_accepted() -> None:
+    ok = [
+        ({"policy": {"gpus": 1}, "sampler": {"gpus": 1}, "reference": {"colocate_with_policy": True}}, {}),
+        ({"policy": {"gpus": 1}, "sampler": {"gpus": 0.5}}, {"reference": {"enabled": False}}),  # no reference actor
+        ({"colocate": True, "policy": {"gpus": 0.5}, "sampler": {"gpus": 0.5}, "reference": {"gpus": 1}}, {}),
+    ]
+    for placement, extra in ok:
+        cfg = floe.BackendConfig(model="m", device="cuda", placement={"kind": "ray", **placement}, **extra)
+        assert isinstance(cfg.placement, RayPlacement)
+    p = floe.BackendConfig(model="m", placement={"kind": "ray", "address": "ray://10.0.0.1:10001",
+                                                  "sync_bucket_mb": 1, "policy": {"cpus": 1}}).placement
+    assert isinstance(p, RayPlacement) and (p.address, p.sync_bucket_mb, p.policy.cpus) == ("ray://10.0.0.1:10001", 1, 1)
 
 
 def test_the_core_suite_does_not_import_ray() -> None:

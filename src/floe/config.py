@@ -154,6 +154,8 @@ class LocalPlacement(StrictModel):
 class RayPolicyZone(StrictModel):
     """The policy zone on Ray: `workers` data-parallel FSDP2 ranks, one actor each."""
 
+    model_config = ConfigDict(strict=True)  # no "2" for 2 or "yes" for true (every Ray placement model)
+
     workers: int = Field(1, ge=1, description="policy ranks (FSDP2 data parallel), one Ray actor each")
     gpus: float = Field(0, ge=0, description="GPUs each policy rank takes (1 for NCCL training; 0 on CPU)")
     cpus: float = Field(1, gt=0, description="logical CPUs each policy rank takes in Ray's scheduler")
@@ -163,6 +165,7 @@ class RaySamplerZone(StrictModel):
     """The sampler zone on Ray: `workers` independent replicas; a sample call spreads its
     prompts across them."""
 
+    model_config = ConfigDict(strict=True)
     workers: int = Field(1, ge=1, description="sampler replicas, one Ray actor each")
     gpus: float = Field(0, ge=0, description="GPUs each replica takes (with colocate: shared with its policy rank)")
     cpus: float = Field(1, gt=0, description="logical CPUs each replica takes in Ray's scheduler")
@@ -171,16 +174,28 @@ class RaySamplerZone(StrictModel):
 class RayReferenceZone(StrictModel):
     """The reference zone on Ray: its own actor, or inside policy rank 0's actor."""
 
+    model_config = ConfigDict(strict=True)
+
     colocate_with_policy: bool = Field(
         False, description="run the reference model in policy rank 0's actor (same devices) instead of its own"
     )
-    gpus: float = Field(0, ge=0, description="GPUs the reference actor takes (ignored when colocated)")
-    cpus: float = Field(1, gt=0, description="logical CPUs the reference actor takes (ignored when colocated)")
+    gpus: float = Field(0, ge=0, description="GPUs the reference actor takes (not with colocate_with_policy)")
+    cpus: float = Field(1, gt=0, description="logical CPUs the reference actor takes (not with colocate_with_policy)")
+
+    @model_validator(mode="after")
+    def _no_ignored_keys(self) -> RayReferenceZone:
+        if self.colocate_with_policy:
+            for key in ("cpus", "gpus"):  # set to other than its default (a dumped config repeats defaults)
+                if key in self.model_fields_set and getattr(self, key) != type(self).model_fields[key].default:
+                    raise ValueError(f"reference.{key} has no effect with colocate_with_policy = true (the reference "
+                                     f"runs in policy rank 0's actor); remove reference.{key}")
+        return self
 
 
 class RayPlacement(StrictModel):
     """Zones as Ray actors in placement groups (`floe.placement.ray`, docs/scale.md)."""
 
+    model_config = ConfigDict(strict=True)
     kind: Literal["ray"] = "ray"
     address: str = Field(
         "local",
@@ -202,20 +217,28 @@ class RayPlacement(StrictModel):
         "(NCCL on GPU, gloo on CPU), or Ray's object store (the fallback)",
     )
     sync_bucket_mb: float = Field(
-        256, gt=0, description="weights move in buckets of at most this many MiB: the peak extra memory of a sync"
+        256, ge=1, description="weights move in buckets of this many MiB (a larger tensor travels alone): the sync's "
+        "peak extra memory is 2 × max(bucket, largest tensor) on policy rank 0 and 1 × on each replica (docs/scale.md)"
     )
     call_timeout_s: float = Field(
-        600, gt=0, description="bound on any one zone call: a worker that is dead or hangs past it becomes WorkerFailed"
+        300, gt=0, description="bound on any one zone call: a worker that is dead or hangs past it becomes "
+        "WorkerFailed; keep an HTTP client's timeout (floe.connect timeout=, default 600) above it"
     )
     start_timeout_s: float = Field(
-        300, gt=0, description="bound on connecting, placing the bundles and loading the zones"
+        300, gt=0, description="bound on starting the backend: connecting (a \"local\" cluster's own start is "
+        "bounded by Ray, seconds), placing the bundles and loading the zones"
     )
 
     @field_validator("address")
     @classmethod
     def _address(cls, value: str) -> str:
-        if value not in ("local", "auto") and not value.startswith("ray://"):
+        if value in ("local", "auto"):
+            return value
+        if not value.startswith("ray://"):
             raise ValueError('must be "local", "auto" or "ray://host:port"')
+        host, _, port = value[len("ray://"):].rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in host:
+            raise ValueError(f'{value!r} is not "ray://host:port" (e.g. "ray://10.0.0.1:10001")')
         return value
 
     @model_validator(mode="after")
@@ -224,6 +247,11 @@ class RayPlacement(StrictModel):
             raise ValueError(
                 f"colocate pairs policy rank i with sampler replica i: policy.workers ({self.policy.workers}) must "
                 f"equal sampler.workers ({self.sampler.workers}), or set colocate = false"
+            )
+        if self.colocate and self.policy.gpus + self.sampler.gpus > 1:
+            raise ValueError(
+                f"colocate shares one GPU between policy rank i and sampler replica i: policy.gpus + sampler.gpus "
+                f"({self.policy.gpus:g} + {self.sampler.gpus:g}) must be at most 1 (e.g. 0.5 each), or set colocate = false"
             )
         return self
 
@@ -289,10 +317,19 @@ class BackendConfig(StrictModel):
                             f"placement.{key}.gpus = {zone.gpus} with device = {self.device!r}: GPUs are only "
                             "used with a cuda device; set gpus = 0 or device = \"cuda\""
                         )
-            elif placement.policy.gpus == 0:
-                raise ValueError(
-                    'placement.policy.gpus = 0 with a cuda device: each policy rank needs a GPU (e.g. gpus = 1)'
-                )
+            else:
+                # Ray hides the GPUs from an actor with num_gpus = 0: every zone that has its own
+                # actor needs a share of one (the reference in policy rank 0's actor uses the rank's).
+                own = [("policy", placement.policy), ("sampler", placement.sampler)]
+                if self.reference.enabled and not placement.reference.colocate_with_policy:
+                    own.append(("reference", placement.reference))
+                for key, zone in own:
+                    if zone.gpus == 0:
+                        raise ValueError(
+                            f"placement.{key}.gpus = 0 with a cuda device: each {key} worker runs a model on its own "
+                            f"GPU share; set placement.{key}.gpus > 0 (e.g. 1, or 0.5 to share)"
+                            + ("" if key != "reference" else " or reference.colocate_with_policy = true")
+                        )
         return self
 
 
@@ -391,7 +428,16 @@ def validation_to_invalid_input(error: ValidationError, where: str, model: type[
         msg = "unknown key; check the spelling against the documented options"
     elif first["type"] == "missing":
         msg = "required key is missing"
+    elif first["type"] in _STRICT_FIX:  # a strict field (the Ray placement's) given another type
+        msg = f"{msg}, got {first['input']!r}; {_STRICT_FIX[first['type']]}"
     return InvalidInput(field, msg)
+
+
+_STRICT_FIX = {
+    "bool_type": "write true or false (no quotes)",
+    "int_type": "write a whole number without quotes (e.g. 2)",
+    "float_type": "write a number without quotes (e.g. 0.5)",
+}
 
 
 def error_loc(model: type[BaseModel], loc: Sequence[int | str]) -> list[int | str]:

@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 
-from floe.errors import FloeError, InvalidInput, StateError
+from floe.errors import FloeError, InvalidInput, StateError, WorkerFailed
 from floe.protocol.errors import RemoteError, RemoteUnavailable, WireError, error_body, raise_remote_error
 
 
@@ -58,3 +58,28 @@ def test_a_401_says_how_to_give_the_token() -> None:
     with pytest.raises(RemoteError) as e:
         raise_remote_error(403, {"error": "forbidden", "message": "no"})
     assert e.value.message == "no"  # only a 401 is about the token
+
+
+def test_worker_failed_keeps_its_type_zone_and_rank_over_the_wire() -> None:
+    error = WorkerFailed("sampler", 1, "the worker (pid 42) died (SYSTEM_ERROR); close this backend")
+    code, body = error_body(error)
+    assert code == 409
+    assert body == {"error": "state_error", "message": str(error), "zone": "sampler", "rank": 1}
+    with pytest.raises(WorkerFailed) as e:
+        raise_remote_error(code, body)
+    assert (e.value.zone, e.value.rank, e.value.message, str(e.value)) == ("sampler", 1, error.message, str(error))
+    assert isinstance(e.value, StateError)  # `except StateError` still catches it
+    with pytest.raises(StateError) as plain:  # a state_error without a worker stays a plain StateError
+        raise_remote_error(409, {"error": "state_error", "message": "x", "zone": "sampler"})
+    assert type(plain.value) is StateError
+
+
+def test_the_server_answer_for_worker_failed_carries_zone_and_rank() -> None:
+    from floe.server.errors import to_api_error  # noqa: PLC0415 - the server's side of the same mapping
+
+    error = WorkerFailed("policy", 1, "no answer within call_timeout_s = 5 s")
+    api = to_api_error(error)
+    assert api.status == 409 and api.body() == error_body(error)[1]
+    with pytest.raises(WorkerFailed) as e:
+        raise_remote_error(api.status, api.body())
+    assert (e.value.zone, e.value.rank, str(e.value)) == ("policy", 1, str(error))

@@ -12,20 +12,24 @@ syncs (`sync/`); every sample carries the sampler version that produced it.
 
 Where the zones run is the placement's business (`floe.placement.build_zones`): this module
 sees the zone protocols only. When the placement colocates policy and sampler on the same
-devices, every operation first holds its mode ("train", "sync" or "sample") in a
-`locks.ModeLock`, before any zone lock, and the placement sleeps/wakes the zones on a switch.
+devices, every operation validates its request, then holds its mode ("train", "sync" or
+"sample") in a `locks.ModeLock`, before any zone lock, and the placement sleeps/wakes the zones
+on a switch: a rejected request never moves memory.
+
+A worker failure (WorkerFailed: a distributed placement's worker died or hung) fails the
+backend: the surviving workers are released (`Zones.close`, once no operation is running), and
+every later operation raises WorkerFailed at once, naming the original failure.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -43,7 +47,7 @@ from floe.backend.sync import WeightSync, verify
 from floe.backend.validation import check_temperature, resolve_temperature, validate_batch, validate_prompts
 from floe.compute.losses import loss_capabilities, resolve_loss
 from floe.config import BackendConfig
-from floe.errors import InvalidInput, StateError
+from floe.errors import InvalidInput, StateError, WorkerFailed
 from floe.models import load_tokenizer
 from floe.models.loading import check_device, check_model_source
 from floe.placement import build_zones
@@ -68,24 +72,6 @@ def as_batch(batch: Any) -> Batch:
     if isinstance(batch, list) and all(isinstance(g, Group) for g in batch):
         return Batch(groups=batch)
     return batch
-
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def in_mode(mode: str) -> Callable[[F], F]:
-    """Run the operation holding `mode` of the Backend's ModeLock (colocated zones only),
-    taken before any zone lock."""
-
-    def wrap(method: F) -> F:
-        @functools.wraps(method)
-        def run(self: Backend, *args: Any, **kwargs: Any) -> Any:
-            with self._holding(mode):
-                return method(self, *args, **kwargs)
-
-        return run  # type: ignore[return-value]
-
-    return wrap
 
 
 def _check_version_type(version: Any) -> None:
@@ -123,28 +109,57 @@ class Backend:
         self._policy_lock = threading.RLock()
         self._sampler_lock = SharedLock()
         self._reference_lock = threading.RLock()
+        self._failed: WorkerFailed | None = None
+        self._running = 0
+        self._health = threading.Lock()
 
     @contextmanager
-    def _holding(self, mode: str) -> Iterator[None]:
-        if self._mode is None:
-            yield
-            return
-        with self._mode.hold(mode):
-            yield
+    def _op(self, mode: str | None = None) -> Iterator[None]:
+        """Run an operation (its request already validated): refused at once when the backend
+        failed; holding `mode` of the ModeLock (colocated zones; None: no mode). A WorkerFailed
+        it raises fails the backend (module docstring)."""
+        with self._health:
+            if self._failed is not None:
+                raise self._failed_again()
+            self._running += 1
+        try:
+            if self._mode is None or mode is None:
+                yield
+            else:
+                with self._mode.hold(mode):
+                    yield
+        except WorkerFailed as e:
+            with self._health:
+                if self._failed is None:
+                    self._failed = e
+            raise
+        finally:
+            with self._health:
+                self._running -= 1
+                release = self._failed is not None and self._running == 0
+            if release:
+                self.zones.close()  # the survivors' devices go back; idempotent
+
+    def _failed_again(self) -> WorkerFailed:
+        first = self._failed
+        assert first is not None
+        return WorkerFailed(first.zone, first.rank, f"this backend failed earlier ({first.message.split('; close')[0]}); "
+                            "close it and start a fresh one from the last saved state")
 
     # -- operations -----------------------------------------------------------------------
+    # Each operation validates its request first (nothing locked, no mode taken, no zone
+    # called), then runs inside `_op(mode)`.
 
-    @in_mode("sample")
     def sample(self, prompts: list[list[int]], n: int = 1, params: SamplingParams | None = None) -> SampleResult:
         """n samples per prompt from the sampler (default SamplingParams()); runs alongside other
         sample calls and training. InvalidInput names a bad field."""
         params = params if params is not None else SamplingParams()
         validate_prompts(prompts, n, params, self.vocab_size, self.max_context)
-        self.sampler.validate(prompts, n, params)
-        with self._sampler_lock.shared():
+        with self._op():
+            self.sampler.validate(prompts, n, params)  # the engine's own limits (asks a worker: no mode needed)
+        with self._op("sample"), self._sampler_lock.shared():
             return self.sampler.sample(prompts, n, params)
 
-    @in_mode("train")
     def forward(
         self, batch: Batch, zone: str = "policy", temperature: float | None = None, with_entropy: bool = False
     ) -> ForwardResult:
@@ -157,17 +172,18 @@ class Backend:
         temperature = resolve_temperature(batch, temperature)
         if type(with_entropy) is not bool:
             raise InvalidInput("with_entropy", f"must be true or false, got {with_entropy!r}")
-        if zone == "policy":
-            with self._policy_lock:
-                return self.policy.forward(batch, temperature, with_entropy)
-        if zone == "reference":
-            if self.reference is None:
-                raise InvalidInput("zone", "the reference zone is disabled (reference.enabled = false)")
+        if zone not in ("policy", "reference"):
+            raise InvalidInput("zone", f"must be 'policy' or 'reference', got {zone!r}")
+        if zone == "reference" and self.reference is None:
+            raise InvalidInput("zone", "the reference zone is disabled (reference.enabled = false)")
+        with self._op("train"):
+            if zone == "policy":
+                with self._policy_lock:
+                    return self.policy.forward(batch, temperature, with_entropy)
+            assert self.reference is not None
             with self._reference_lock:
                 return self.reference.forward(batch, temperature, with_entropy)
-        raise InvalidInput("zone", f"must be 'policy' or 'reference', got {zone!r}")
 
-    @in_mode("train")
     def forward_backward(
         self,
         batch: Batch,
@@ -182,30 +198,33 @@ class Backend:
         spec = resolve_loss(loss, loss_config)
         validate_batch(batch, self.vocab_size, self.max_context, spec)
         temperature = resolve_temperature(batch, temperature)
-        with self._policy_lock:
+        with self._op("train"), self._policy_lock:
             return self.policy.forward_backward(batch, spec, temperature)
 
-    @in_mode("train")
     def optim_step(self) -> OptimStepResult:
         """Apply the accumulated gradients (StateError when there are none or they are not finite)."""
-        with self._policy_lock:
+        with self._op("train"), self._policy_lock:
             return self.policy.optim_step()
 
-    @in_mode("sync")
     def sync_weights(self, version: int | None = None) -> SyncResult:
         """Policy weights → sampler, verified by fingerprints; the sampler's version becomes
         `version` (a caller's tag, > the current version) or, when None, the current one + 1.
         Waits for running samples. StateError (nothing changed) for non-finite weights;
         InvalidInput("version") (nothing changed) for a tag that is not a larger int."""
         _check_version_type(version)
-        with self._policy_lock, self._sampler_lock.exclusive():
+        self._check_version_tag(version)  # before the mode switch; again under the lock
+        with self._op("sync"), self._policy_lock, self._sampler_lock.exclusive():
             start = time.perf_counter()
             current = self.sampler.version
-            if version is not None and version <= current:
-                raise InvalidInput("version", f"must be greater than the sampler's current version {current}, got {version}")
+            self._check_version_tag(version)
             sent = self._push_policy_weights()
             self.sampler.set_version(current + 1 if version is None else version)
             return SyncResult(self.sampler.version, sent, time.perf_counter() - start)
+
+    def _check_version_tag(self, version: int | None) -> None:
+        current = self.sampler.version
+        if version is not None and version <= current:
+            raise InvalidInput("version", f"must be greater than the sampler's current version {current}, got {version}")
 
     def _push_policy_weights(self) -> int:
         """weight_sync.sync → verify; returns the bytes of one copy of the weights. Hold both locks."""
@@ -213,24 +232,23 @@ class Backend:
         verify(report.published, report.received)
         return report.bytes
 
-    @in_mode("train")
     def save_state(self, name: str) -> StateResult:
         """Save every zone's state as `<state_dir>/<name>` (replacing a state of that name).
         StateError while gradients wait for optim_step."""
         name = check_state_name(name)
         path = self.state_dir / name
-        with self._policy_lock, self._sampler_lock.shared():
+        with self._op("train"), self._policy_lock, self._sampler_lock.shared():
             # The policy writes its own files (a sharded policy: its ranks' shards) into the temp directory.
             write_state(path, [self.sampler.save_state()], self.config.model, save_policy=self.policy.save_state)
             return StateResult(name, str(path), self.policy.step, self.sampler.version)
 
-    @in_mode("sync")
     def load_state(self, name: str) -> StateResult:
         """Restore a saved state. The sampler gets the restored policy weights and the saved
         version; gradients not yet applied are discarded. A state that does not fit changes nothing."""
         name = check_state_name(name)
         path = self.state_dir / name
-        with self._policy_lock, self._sampler_lock.exclusive():
+        read_state(path, files=())  # a missing or unreadable state: StateError before the mode switch
+        with self._op("sync"), self._policy_lock, self._sampler_lock.exclusive():
             state = read_state(path, files=("rng.safetensors",))  # the policy reads its own files
             self.policy.check_state(path, state.meta)
             self.sampler.check_state(state)
@@ -254,7 +272,6 @@ class Backend:
         """Names of the saved states, sorted."""
         return list_state_dirs(self.state_dir)
 
-    @in_mode("train")
     def export_hf(self, path: str) -> str:
         """Write the policy as an ordinary HF model directory (weights + config + tokenizer).
 
@@ -267,7 +284,7 @@ class Backend:
             target.is_dir() and (not any(target.iterdir()) or (target / EXPORT_MARKER).is_file())
         ):
             raise InvalidInput("path", f"{path} exists and is not an earlier floe export; choose a new or empty directory")
-        with self._policy_lock, atomic_directory(target, replace=True) as tmp:
+        with self._op("train"), self._policy_lock, atomic_directory(target, replace=True) as tmp:
             self.policy.export_hf(tmp)
             self.tokenizer.save_pretrained(tmp)
             (tmp / EXPORT_MARKER).write_text(json.dumps({"step": self.policy.step, "model": self.config.model}) + "\n")
@@ -275,7 +292,7 @@ class Backend:
 
     def info(self) -> Info:
         """Model, zones, step and versions, dtype/device and capabilities."""
-        with self._policy_lock, self._sampler_lock.shared():
+        with self._op(), self._policy_lock, self._sampler_lock.shared():
             weights = self.policy.describe()
             return Info(
                 model=self.config.model,

@@ -4,8 +4,9 @@
 `ray` (zones as Ray actors in placement groups, `placement.ray`). The Backend only sees the
 `Zones` this returns: the zone protocols of `backend.zones`, a `WeightSync` that knows how
 weights travel between them, and the few placement-specific actions (close, where memory is,
-sleep/wake when policy and sampler share devices) as methods. Nothing outside this package
-imports Ray; `placement.ray` imports it only when a Ray placement is built.
+sleep/wake when policy and sampler share devices) as methods. floe's core imports Ray only
+here, and `placement.ray` only when a Ray placement is built (the verl and SkyRL integrations,
+which run on Ray themselves, import it on their own).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 An operation's exception becomes an HTTP status and a JSON body on the server
 (`error_body`), and that status and body become the same exception again on the client
 (`raise_remote_error`), so remote code fails exactly like in-process code. Every error body is
-`{"error": code, "message": text, "field"?: path}`. Also here: `WireError` (a malformed floe
+`{"error": code, "message": text, "field"?: path}`; a WorkerFailed's 409 adds `"zone"` and `"rank"`,
+and the client raises WorkerFailed again. Also here: `WireError` (a malformed floe
 message) and the client-side `RemoteError` / `RemoteUnavailable` for refusals that have no
 in-process equivalent. Every class survives pickle with the same type, str and attributes.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
-from floe.errors import FloeError, InvalidInput, StateError
+from floe.errors import FloeError, InvalidInput, StateError, WorkerFailed
 
 
 class WireError(InvalidInput):
@@ -46,12 +47,15 @@ def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
     """The HTTP status and JSON body for an exception an operation raised.
 
     WireError -> 400 "bad_request", InvalidInput -> 422 "invalid_input" (both with `field`),
-    StateError -> 409 "state_error", anything else -> 500 "internal_error".
+    StateError -> 409 "state_error" (a WorkerFailed also carries "zone" and "rank"),
+    anything else -> 500 "internal_error".
     """
     if isinstance(exc, WireError):
         return 400, _body("bad_request", exc.message, exc.field)
     if isinstance(exc, InvalidInput):
         return 422, _body("invalid_input", exc.message, exc.field)
+    if isinstance(exc, WorkerFailed):
+        return 409, {**_body("state_error", str(exc)), "zone": exc.zone, "rank": exc.rank}
     if isinstance(exc, StateError):
         return 409, _body("state_error", str(exc))
     return 500, _body("internal_error", f"{type(exc).__name__}: {exc}")
@@ -69,7 +73,8 @@ UNAUTHORIZED_FIX = "set $FLOE_TOKEN or pass token= to floe.connect (backend.toke
 
 def raise_remote_error(status: int, body: Any) -> NoReturn:
     """Re-raise a server's error body as the exception the in-process backend would raise:
-    InvalidInput (same field and message), StateError, else RemoteError(status, code, message).
+    InvalidInput (same field and message), WorkerFailed (a state_error with zone and rank: same
+    zone, rank and message), StateError, else RemoteError(status, code, message).
     A 401's message ends with the fix (UNAUTHORIZED_FIX)."""
     if not isinstance(body, dict):
         body = {}
@@ -79,5 +84,9 @@ def raise_remote_error(status: int, body: Any) -> NoReturn:
     if error in ("invalid_input", "bad_request") and isinstance(field, str):
         raise InvalidInput(field, message)
     if error == "state_error":
+        zone, rank = body.get("zone"), body.get("rank")
+        if isinstance(zone, str) and type(rank) is int:
+            prefix = f"{zone} worker {rank}: "
+            raise WorkerFailed(zone, rank, message.removeprefix(prefix))
         raise StateError(message)
     raise RemoteError(status, error, message or f"HTTP {status}")

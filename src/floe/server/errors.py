@@ -18,12 +18,13 @@ class ApiError(Exception):
     error: str
     message: str
     field: str | None = None
+    extra: dict[str, Any] | None = None  # further body keys (a WorkerFailed's zone and rank)
 
     def body(self) -> dict[str, Any]:
-        out = {"error": self.error, "message": self.message}
+        out: dict[str, Any] = {"error": self.error, "message": self.message}
         if self.field is not None:
             out["field"] = self.field
-        return out
+        return {**out, **(self.extra or {})}
 
 
 def to_api_error(exc: BaseException) -> ApiError:
@@ -31,4 +32,5 @@ def to_api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, ApiError):
         return exc
     status, body = error_body(exc)
-    return ApiError(status, body["error"], body["message"], body.get("field"))
+    extra = {k: v for k, v in body.items() if k not in ("error", "message", "field")}
+    return ApiError(status, body["error"], body["message"], body.get("field"), extra or None)

@@ -4,7 +4,12 @@ The policy's rank 0 (`src`) streams the full weights, bucket by bucket, to every
 of `group` (the sampler replicas); each replica copies a bucket into its engine before the
 next arrives. Not Ray-specific: any placement that has built such a group uses it.
 
-Wire protocol, per bucket (all `torch.distributed.broadcast` from `src`):
+`group` is used only through its own methods (`ProcessGroup.broadcast`; `src` is a rank in
+`group`), so it may be a standalone group (`backend.sync.groups.standalone_group`, which the
+Ray placement uses because an engine such as vLLM owns the sampler's default group) or any
+group torch.distributed made.
+
+Wire protocol, per bucket (all broadcasts from `src`):
 1. the header's length in bytes, an int64 tensor [1];
 2. the header, a uint8 tensor: JSON {"tensors": [[name, shape, dtype], ...]}, dtypes as
    torch names ("float32", "bfloat16", ...); the tensors are grouped by dtype in order of
@@ -58,9 +63,19 @@ _DTYPES = {name: getattr(torch, name) for name in (
 def _comm_device(group: dist.ProcessGroup) -> torch.device:
     """Where the group's collectives need their tensors: the current CUDA device for NCCL,
     the CPU otherwise."""
-    if dist.get_backend(group) == "nccl":
+    if group.name() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, src: int) -> None:
+    """`tensor` from `group`'s rank `src` to all its ranks, in place; waits for it (the
+    group's timeout bounds the wait). Through the group's own method: works on standalone
+    groups, which torch.distributed's module functions do not know."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = src
+    opts.rootTensor = 0
+    group.broadcast([tensor], opts).wait()
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -71,7 +86,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _send_length(group: dist.ProcessGroup, src: int, length: int, device: torch.device) -> None:
-    dist.broadcast(torch.tensor([length], dtype=torch.int64, device=device), src, group=group)
+    _broadcast(group, torch.tensor([length], dtype=torch.int64, device=device), src)
 
 
 def bucketed(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
@@ -93,7 +108,7 @@ def bucketed(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> 
 def send_weights(
     group: dist.ProcessGroup, src: int, buckets: Iterable[dict[str, torch.Tensor]]
 ) -> tuple[dict[str, Fingerprint], int]:
-    """Broadcast `buckets` (name -> full tensor) from this rank (`src`) to the rest of `group`
+    """Broadcast `buckets` (name -> full tensor) from this rank (`src`, its rank in `group`) to the rest of `group`
     (the protocol is in the module docstring). Empty buckets are skipped. Returns the
     fingerprints of every tensor sent (`floe.sampler.engine.fingerprint`, of the full tensors)
     and the bytes sent (tensor data; headers excluded).
@@ -119,10 +134,10 @@ def send_weights(
             header = [[name, list(bucket[name].shape), dtype] for dtype, names in order.items() for name in names]
             raw = torch.frombuffer(bytearray(json.dumps({"tensors": header}).encode()), dtype=torch.uint8)
             _send_length(group, src, raw.numel(), device)
-            dist.broadcast(raw.to(device), src, group=group)
+            _broadcast(group, raw.to(device), src)
             for names in order.values():
                 flat = torch.cat([bucket[name].detach().reshape(-1) for name in names]).to(device)
-                dist.broadcast(flat.view(torch.uint8), src, group=group)
+                _broadcast(group, flat.view(torch.uint8), src)
                 total += flat.numel() * flat.element_size()
                 del flat
             sent.update(prints)
@@ -143,7 +158,7 @@ def receive_weights(group: dist.ProcessGroup, src: int, device: torch.device | s
     comm = _comm_device(group)
     while True:
         length = torch.zeros(1, dtype=torch.int64, device=comm)
-        dist.broadcast(length, src, group=group)
+        _broadcast(group, length, src)
         n = int(length.item())
         if n == _END:
             return
@@ -151,7 +166,7 @@ def receive_weights(group: dist.ProcessGroup, src: int, device: torch.device | s
             raise StateError("sync_weights: the policy aborted the weight broadcast midway; the sampler's weights are "
                              "incomplete until a sync succeeds")
         raw = torch.empty(n, dtype=torch.uint8, device=comm)
-        dist.broadcast(raw, src, group=group)
+        _broadcast(group, raw, src)
         header = json.loads(raw.cpu().numpy().tobytes().decode())["tensors"]
         bucket: dict[str, torch.Tensor] = {}
         groups: dict[str, list[tuple[str, list[int]]]] = {}
@@ -160,7 +175,7 @@ def receive_weights(group: dist.ProcessGroup, src: int, device: torch.device | s
         for dtype, members in groups.items():
             numels = [math.prod(shape) for _, shape in members]
             flat = torch.empty(sum(numels), dtype=_DTYPES[dtype], device=comm)
-            dist.broadcast(flat.view(torch.uint8), src, group=group)
+            _broadcast(group, flat.view(torch.uint8), src)
             flat = flat.to(device)
             for (name, shape), part in zip(members, torch.split(flat, numels), strict=True):
                 bucket[name] = part.view(shape)

@@ -2,13 +2,13 @@
 
 `build_ray(config, tokenizer)` connects to Ray (`cluster.connect`), reserves the bundles
 (`cluster.place`), starts the actors (`actors.py`: P policy ranks, R sampler replicas, the
-reference on its own actor or in policy rank 0), joins the policy ranks and replicas into one
-torch.distributed world, and returns `placement.Zones` whose zones are driver-side proxies
-(`proxies.py`) and whose weight sync is `sync.RayBroadcastSync` or `sync.RayObjectStoreSync`.
-Every wait is bounded: start-up by placement.start_timeout_s, every zone call by
-placement.call_timeout_s (`calls.py`: a dead or hung worker becomes WorkerFailed naming the zone
-and rank). `Zones.close()` kills the actors, gives the bundles back and, when this backend
-started the cluster ("local"), stops it.
+reference on its own actor or in policy rank 0), joins the policy ranks into their policy
+group and policy rank 0 and the replicas into the standalone sync group (`actors.py`), and
+returns `placement.Zones` whose zones are driver-side proxies (`proxies.py`) and whose weight
+sync is `sync.RayBroadcastSync` or `sync.RayObjectStoreSync`. Every wait is bounded: start-up
+by placement.start_timeout_s, every zone call by placement.call_timeout_s (`calls.py`: a dead
+or hung worker becomes WorkerFailed naming the zone and rank). `Zones.close()` kills the
+actors, gives the bundles back and, when this backend started the cluster ("local"), stops it.
 
 Importing this package imports Ray: the core of floe imports it only from `build_zones`.
 """
@@ -38,17 +38,24 @@ def build_ray(config: BackendConfig, tokenizer: PreTrainedTokenizerBase) -> Any:
     from floe.placement import Zones  # noqa: PLC0415
     from floe.placement.ray import cluster  # noqa: PLC0415
     from floe.placement.ray.actors import PolicyRankHost, ReferenceHost, SamplerHost, remote_class  # noqa: PLC0415
-    from floe.placement.ray.calls import Call, gather  # noqa: PLC0415
+    from floe.placement.ray.calls import PING_GROUPS, Call, gather, track, untrack  # noqa: PLC0415
     from floe.placement.ray.proxies import RayPolicy, RayReference, RaySamplerGroup  # noqa: PLC0415
     from floe.placement.ray.sync import RayBroadcastSync, RayObjectStoreSync  # noqa: PLC0415
 
     placement = config.placement
     assert isinstance(placement, RayPlacement)
+    began = time.monotonic()
+
+    def left() -> float:
+        """What is left of start_timeout_s: one bound for the whole start, connect included."""
+        return max(placement.start_timeout_s - (time.monotonic() - began), 1.0)
+
     started = cluster.connect(placement)
     layout = None
     actors: list[Any] = []
 
     def close() -> None:
+        untrack(actors)
         for actor in actors:
             with contextlib.suppress(Exception):  # an actor already gone is closed
                 ray.kill(actor)
@@ -58,12 +65,15 @@ def build_ray(config: BackendConfig, tokenizer: PreTrainedTokenizerBase) -> Any:
     try:
         ref_cfg = placement.reference
         reference_actor = config.reference.enabled and not ref_cfg.colocate_with_policy
-        layout = cluster.place(placement, reference_actor)
+        layout = cluster.place(placement, reference_actor, left())
         values = config.model_dump(mode="json")
         gpu = config.device.startswith("cuda")
         p, s = placement.policy, placement.sampler
-        policy_cls = remote_class(PolicyRankHost)
-        sampler_cls = remote_class(SamplerHost)
+        # A "ping" concurrency group on every actor: at a deadline `calls.gather` asks each pending
+        # worker for its pid on that thread, so a peer blocked in a collective answers and the
+        # worker that hangs is the one named.
+        policy_cls = remote_class(PolicyRankHost, concurrency_groups=PING_GROUPS)
+        sampler_cls = remote_class(SamplerHost, concurrency_groups=PING_GROUPS)
         policy_actors = [
             policy_cls.options(num_cpus=p.cpus, num_gpus=p.gpus, scheduling_strategy=cluster.strategy(layout, b)).remote(
                 values, i, config.reference.enabled and ref_cfg.colocate_with_policy and i == 0)
@@ -78,33 +88,32 @@ def build_ray(config: BackendConfig, tokenizer: PreTrainedTokenizerBase) -> Any:
         reference_host = None
         if reference_actor:
             assert layout.reference is not None
-            reference_host = remote_class(ReferenceHost).options(
+            reference_host = remote_class(ReferenceHost, concurrency_groups=PING_GROUPS).options(
                 num_cpus=ref_cfg.cpus, num_gpus=ref_cfg.gpus, scheduling_strategy=cluster.strategy(layout, layout.reference)
             ).remote(values)
             actors.append(reference_host)
-        bound = placement.start_timeout_s
-        began = time.monotonic()
+        for i, actor in enumerate(policy_actors):
+            track("policy", i, actor)
+        for r, actor in enumerate(sampler_actors):
+            track("sampler", r, actor)
+        if reference_host is not None:
+            track("reference", 0, reference_host)
         # Every actor loaded its model (constructor errors surface here, naming the zone and rank).
         ready = [Call("policy", i, a.pid.remote()) for i, a in enumerate(policy_actors)]
         ready += [Call("sampler", r, a.pid.remote()) for r, a in enumerate(sampler_actors)]
         ready += [Call("reference", 0, reference_host.pid.remote())] if reference_host is not None else []
-        gather(ready, bound)
-        shape = gather([Call("policy", 0, policy_actors[0].shape.remote())], bound)[0]
-        address, port = gather([Call("policy", 0, policy_actors[0].rendezvous.remote())], bound)[0]
-        world = len(policy_actors) + len(sampler_actors)
-        policy_ranks = list(range(len(policy_actors)))
-        sync_ranks = [0] + [len(policy_actors) + r for r in range(len(sampler_actors))]
+        gather(ready, left())
+        shape = gather([Call("policy", 0, policy_actors[0].shape.remote())], left())[0]
+        address, policy_port, sync_port = gather([Call("policy", 0, policy_actors[0].rendezvous.remote())], left())[0]
+        sync_world = 1 + len(sampler_actors)
         sync_backend = "nccl" if gpu and not placement.colocate else "gloo"
-        members = [*policy_actors, *sampler_actors]
-        left = max(bound - (time.monotonic() - began), 1.0)
-        gather([
-            Call("policy" if rank < len(policy_actors) else "sampler",
-                 rank if rank < len(policy_actors) else rank - len(policy_actors),
-                 actor.init_distributed.remote(address, port, world, rank, policy_ranks, sync_ranks, sync_backend,
-                                               placement.call_timeout_s))
-            for rank, actor in enumerate(members)
-        ], left)
         timeout = placement.call_timeout_s
+        gather([
+            *(Call("policy", i, a.join_groups.remote(address, policy_port, len(policy_actors), sync_port, sync_world,
+                                                      sync_backend, timeout)) for i, a in enumerate(policy_actors)),
+            *(Call("sampler", r, a.join_groups.remote(address, sync_port, sync_world, sync_backend, timeout))
+              for r, a in enumerate(sampler_actors)),
+        ], left())
         policy = RayPolicy(policy_actors, timeout)
         sampler = RaySamplerGroup(sampler_actors, config.sampler.engine.name, config.seed, timeout)
         reference = None

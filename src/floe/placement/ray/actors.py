@@ -5,14 +5,19 @@ this module needs no Ray). An actor receives the BackendConfig as JSON values, l
 from `config.model` itself (no model crosses a process boundary), and keeps torch to
 `config.num_threads or 1` intra-op threads (several actors share a node's cores).
 
-torch.distributed: the policy ranks and the sampler replicas form one world (global ranks:
-policy 0..P-1, then replicas P..P+R-1; gloo on CPU, NCCL on GPU), created by
-`init_distributed` on all of them at once, with two subgroups: the policy group (FSDP2 over
-the P ranks, `backend.policy_sharded.ShardedPolicyZone`) and the sync group (policy rank 0 and
-every replica: the weight broadcast, `backend.sync.broadcast`). When policy and sampler share
-GPUs (colocation) the sync group is gloo: NCCL cannot have two ranks on one device. The
-collectives' timeout is `placement.call_timeout_s`, so a dead peer ends a collective with an
-error instead of a hang. The reference actor is not part of the world.
+torch.distributed: two groups, joined by `join_groups` on every policy rank and replica at once.
+* The policy group: the P policy ranks' own default (WORLD) process group (ranks 0..P-1;
+  gloo on CPU, NCCL on GPU), over which FSDP2 shards the model
+  (`backend.policy_sharded.ShardedPolicyZone`).
+* The sync group: policy rank 0 (sync rank 0) and every replica r (sync rank 1 + r), the
+  weight broadcast (`backend.sync.broadcast`). It is a standalone group on its own TCPStore
+  (`backend.sync.groups.standalone_group`), never a default group: a sampler's engine may own
+  its process's default group (vLLM's in-process engine initialises one, a world of 1), so a
+  replica joins no default group at all. When policy and sampler share GPUs (colocation) the
+  sync group is gloo: NCCL cannot have two ranks on one device.
+Both rendezvous at policy rank 0's node (`rendezvous`: two free ports). The collectives'
+timeout is `placement.call_timeout_s`, so a dead peer ends a collective with an error instead
+of a hang. The reference actor is in neither group.
 
 Zone calls arrive as `call(method, *args)`: the zone's own method (the protocols of
 `backend.zones` / the rank contract of `ShardedPolicyZone`), so the proxies choose what runs.
@@ -70,37 +75,32 @@ class _Host:
         return os.getpid()
 
 
-class _WorldMember(_Host):
-    """An actor that joins the policy/sampler torch.distributed world."""
+class _GroupMember(_Host):
+    """An actor that joins the sync group (and, on a policy rank, the policy group)."""
 
-    def rendezvous(self) -> tuple[str, int]:
-        """(this node's address, a free TCP port on it): the world's store, asked of global rank 0."""
+    sync_group: Any = None
+    sync_backend: str = "gloo"
+
+    def rendezvous(self) -> tuple[str, int, int]:
+        """(this node's address, two distinct free TCP ports on it): where the policy group's
+        and the sync group's stores listen, asked of policy rank 0."""
         import ray  # noqa: PLC0415
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = int(s.getsockname()[1])
-        return ray.util.get_node_ip_address(), port
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("", 0))
+            b.bind(("", 0))
+            ports = int(a.getsockname()[1]), int(b.getsockname()[1])
+        return ray.util.get_node_ip_address(), *ports
 
-    def init_distributed(
-        self, address: str, port: int, world_size: int, rank: int, policy_ranks: list[int], sync_ranks: list[int],
-        sync_backend: str, timeout_s: float,
-    ) -> None:
-        """Join the world and create both subgroups (collective over the whole world)."""
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        timeout = timedelta(seconds=timeout_s)
-        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", world_size=world_size, rank=rank,
-                                timeout=timeout)
-        policy_group = dist.new_group(policy_ranks, backend=backend, timeout=timeout)
-        sync_group = dist.new_group(sync_ranks, backend=sync_backend, timeout=timeout)
+    def _join_sync(self, address: str, port: int, sync_rank: int, sync_world: int, sync_backend: str,
+                   timeout_s: float) -> None:
+        from floe.backend.sync.groups import standalone_group  # noqa: PLC0415
+
+        self.sync_group = standalone_group(sync_backend, address, port, sync_rank, sync_world, timeout_s)
         self.sync_backend = sync_backend
-        self._joined(policy_group, sync_group)
-
-    def _joined(self, policy_group: Any, sync_group: Any) -> None:
-        raise NotImplementedError
 
 
-class PolicyRankHost(_WorldMember):
+class PolicyRankHost(_GroupMember):
     """One policy rank (`ShardedPolicyZone`), plus the reference model in rank 0 when
     `placement.reference.colocate_with_policy`."""
 
@@ -119,11 +119,20 @@ class PolicyRankHost(_WorldMember):
         """vocab_size and max_context of the model (the Backend validates requests with them)."""
         return {"vocab_size": int(self.model.config.vocab_size), "max_context": context_length(self.model.config)}
 
-    def _joined(self, policy_group: Any, sync_group: Any) -> None:
+    def join_groups(self, address: str, policy_port: int, policy_world: int, sync_port: int, sync_world: int,
+                    sync_backend: str, timeout_s: float) -> None:
+        """Collective over every policy rank and replica: join the policy group (this process's
+        default group, `policy_world` ranks) and, on rank 0, the sync group (as sync rank 0 of
+        `sync_world`); then shard the model over the policy group."""
         from floe.backend.policy_sharded import ShardedPolicyZone  # noqa: PLC0415
 
-        self.zone = ShardedPolicyZone(self.model, self.config.optimizer, self.config.compute, policy_group, self.device)
-        self.sync_group = sync_group
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{address}:{policy_port}", world_size=policy_world,
+                                rank=self.rank, timeout=timedelta(seconds=timeout_s))
+        if self.rank == 0:
+            self._join_sync(address, sync_port, 0, sync_world, sync_backend, timeout_s)
+        self.zone = ShardedPolicyZone(self.model, self.config.optimizer, self.config.compute, dist.group.WORLD,
+                                      self.device)
         del self.model
 
     def reference_forward(self, *args: Any) -> Any:
@@ -164,7 +173,7 @@ class PolicyRankHost(_WorldMember):
         return (refs, prints, size) if self.rank == 0 else None
 
 
-class SamplerHost(_WorldMember):
+class SamplerHost(_GroupMember):
     """One sampler replica (`backend.sampler.SamplerZone` around the configured engine)."""
 
     def __init__(self, config: dict[str, Any], replica: int):
@@ -183,8 +192,10 @@ class SamplerHost(_WorldMember):
     def engine_start_seconds(self) -> float | None:
         return self.start_seconds
 
-    def _joined(self, policy_group: Any, sync_group: Any) -> None:
-        self.sync_group = sync_group
+    def join_groups(self, address: str, sync_port: int, sync_world: int, sync_backend: str, timeout_s: float) -> None:
+        """Collective with policy rank 0 and the other replicas: join the sync group as sync
+        rank 1 + replica (a standalone group: the engine may own the default group)."""
+        self._join_sync(address, sync_port, 1 + self.replica, sync_world, sync_backend, timeout_s)
 
     def receive_weights(self) -> dict[str, Any]:
         """Broadcast sync, replica side: every bucket from policy rank 0 into the engine; the
