@@ -224,6 +224,32 @@ class MasterWeights:
         self.copy_back()
 
 
+def make_adamw(params: list[torch.Tensor], cfg: OptimizerConfig) -> torch.optim.AdamW:
+    """AdamW over `params` with the configured hyper-parameters (the lr of each step is set
+    by `lr_at` before it is taken)."""
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+def clip_and_step(
+    optimizer: torch.optim.Optimizer, grads: list[torch.Tensor], grad_norm: float, cfg: OptimizerConfig, step: int
+) -> float:
+    """Scale `grads` to `cfg.grad_clip` when their (finite, global) norm `grad_norm` exceeds it,
+    set the lr of optimizer step number `step` (`lr_at`), step and zero the gradients; returns
+    that lr. The clip factor is torch.nn.utils.clip_grad_norm_'s, max_norm / (norm + 1e-6),
+    applied only once the norm is known finite."""
+    max_norm = cfg.grad_clip
+    if max_norm is not None and grad_norm > max_norm:
+        scale = max_norm / (grad_norm + 1e-6)
+        for g in grads:
+            g.mul_(scale)
+    lr = lr_at(step, cfg)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return lr
+
+
 def needs_masters(params: list[torch.nn.Parameter]) -> bool:
     """True when the trainable parameters are bfloat16 (they get fp32 `MasterWeights`);
     InvalidInput("dtype") for float16, which floe does not train (FLOAT16_REFUSED)."""
@@ -247,13 +273,7 @@ class PolicyZone:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.masters = MasterWeights(self.params) if needs_masters(self.params) else None
         self.trained: list[torch.Tensor] = self.masters.masters if self.masters else list(self.params)
-        self.optimizer = torch.optim.AdamW(
-            self.trained,
-            lr=optimizer.lr,
-            betas=optimizer.betas,
-            eps=optimizer.eps,
-            weight_decay=optimizer.weight_decay,
-        )
+        self.optimizer = make_adamw(self.trained, optimizer)
         self.step = 0
         self.pending_calls = 0  # forward_backward calls since the last optim_step
 
@@ -301,17 +321,7 @@ class PolicyZone:
             # Nothing can be applied from a non-finite sum; keeping it would block every later step.
             self.discard_gradients()
             raise StateError(NONFINITE_STEP.format(grad_norm))
-        max_norm = self.optimizer_config.grad_clip
-        if max_norm is not None and grad_norm > max_norm:
-            # Same factor as torch.nn.utils.clip_grad_norm_, applied only once the norm is known finite.
-            scale = max_norm / (grad_norm + 1e-6)
-            for g in grads:
-                g.mul_(scale)
-        lr = lr_at(self.step, self.optimizer_config)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        lr = clip_and_step(self.optimizer, grads, grad_norm, self.optimizer_config, self.step)
         if self.masters is not None:
             self.masters.copy_back()
         applied, self.pending_calls = self.pending_calls, 0

@@ -58,7 +58,8 @@ from floe.backend.policy import (
     PENDING_SAVE,
     accumulate_microbatches,
     check_saved_policy,
-    lr_at,
+    clip_and_step,
+    make_adamw,
     needs_masters,
     prepare_model,
     score_flat,
@@ -138,13 +139,7 @@ class ShardedPolicyZone:
             unit.set_gradient_divide_factor(1.0)  # gradients are summed across ranks: global loss scales
             unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM), no division
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.params,
-            lr=optimizer.lr,
-            betas=optimizer.betas,
-            eps=optimizer.eps,
-            weight_decay=optimizer.weight_decay,
-        )
+        self.optimizer = make_adamw(self.params, optimizer)
         self.step = 0
         self.pending_calls = 0
         self.offloaded = False
@@ -229,17 +224,8 @@ class ShardedPolicyZone:
         if not math.isfinite(grad_norm):
             self.discard_gradients()
             raise StateError(NONFINITE_STEP.format(grad_norm))
-        max_norm = self.optimizer_config.grad_clip
-        if max_norm is not None and grad_norm > max_norm:
-            scale = max_norm / (grad_norm + 1e-6)  # PolicyZone's factor
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        lr = lr_at(self.step, self.optimizer_config)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        lr = clip_and_step(self.optimizer, grads, grad_norm, self.optimizer_config, self.step)
         applied, self.pending_calls = self.pending_calls, 0
         self.step += 1
         return OptimStepResult(step=self.step, lr=lr, grad_norm=grad_norm, accumulated_calls=applied)

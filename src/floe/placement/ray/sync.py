@@ -29,23 +29,29 @@ from floe.placement.ray.proxies import RayPolicy, RaySamplerGroup, same_fingerpr
 __all__ = ["RayBroadcastSync", "RayObjectStoreSync"]
 
 
-def _refuse_non_finite(policy: RayPolicy) -> None:
-    if not policy.all_finite():
-        raise StateError("sync_weights: policy weights are not finite; the sampler was not changed")
-
-
-class RayBroadcastSync(WeightSync):
-    """torch.distributed broadcast from policy rank 0 to every replica (module docstring)."""
-
-    name = "broadcast"
+class _RaySync(WeightSync):
+    """What both Ray methods share: the bucket size, the call bound, and refusing non-finite
+    weights before anything moves."""
 
     def __init__(self, bucket_bytes: int, timeout_s: float):
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
 
-    def sync(self, policy: Any, sampler: Any) -> SyncReport:
+    @staticmethod
+    def _zones(policy: Any, sampler: Any) -> tuple[RayPolicy, RaySamplerGroup]:
         assert isinstance(policy, RayPolicy) and isinstance(sampler, RaySamplerGroup)
-        _refuse_non_finite(policy)
+        if not policy.all_finite():
+            raise StateError("sync_weights: policy weights are not finite; the sampler was not changed")
+        return policy, sampler
+
+
+class RayBroadcastSync(_RaySync):
+    """torch.distributed broadcast from policy rank 0 to every replica (module docstring)."""
+
+    name = "broadcast"
+
+    def sync(self, policy: Any, sampler: Any) -> SyncReport:
+        policy, sampler = self._zones(policy, sampler)
         sends = [Call("policy", i, r.send_weights.remote(self.bucket_bytes)) for i, r in enumerate(policy.ranks)]
         receives = [Call("sampler", i, r.receive_weights.remote()) for i, r in enumerate(sampler.replicas)]
         answers = gather(sends + receives, self.timeout_s)
@@ -53,18 +59,13 @@ class RayBroadcastSync(WeightSync):
         return SyncReport(published, same_fingerprints(answers[len(sends):]), size)
 
 
-class RayObjectStoreSync(WeightSync):
+class RayObjectStoreSync(_RaySync):
     """Buckets through Ray's object store (module docstring)."""
 
     name = "object_store"
 
-    def __init__(self, bucket_bytes: int, timeout_s: float):
-        self.bucket_bytes = bucket_bytes
-        self.timeout_s = timeout_s
-
     def sync(self, policy: Any, sampler: Any) -> SyncReport:
-        assert isinstance(policy, RayPolicy) and isinstance(sampler, RaySamplerGroup)
-        _refuse_non_finite(policy)
+        policy, sampler = self._zones(policy, sampler)
         puts = gather([Call("policy", i, r.put_weights.remote(self.bucket_bytes)) for i, r in enumerate(policy.ranks)],
                       self.timeout_s)
         refs, published, size = puts[0]
