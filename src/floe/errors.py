@@ -33,6 +33,11 @@ class InvalidInput(FloeError, ValueError):
         return {"error": "invalid_input", "field": self.field, "message": self.message}
 
 
+class NotFound(InvalidInput):
+    """The thing a request names does not exist, or the requester may not see it (a shared
+    server answers both the same way, so ids of others' resources cannot be probed). HTTP 404."""
+
+
 class StateError(FloeError, RuntimeError):
     """An operation is not possible in the backend's current state (e.g. unknown checkpoint)."""
 

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from floe.errors import InvalidInput
+from floe.errors import InvalidInput, StateError
 from floe.server.protocols.tinker import convert, schema
 from floe.server.protocols.tinker.futures import Futures, Reply, Sequencer
 
@@ -101,7 +101,7 @@ def _wait(futures: Futures, rids: list[str], timeout: float = 10) -> None:
 
 def test_requests_run_in_seq_id_order_whatever_the_arrival_order() -> None:
     futures = Futures(workers=4)
-    seq = Sequencer(futures, gap_timeout_s=30)
+    seq = Sequencer(futures, "alice", gap_timeout_s=30)
     order: list[int] = []
     rids = [seq.submit(s, _recorder(order, s)) for s in (3, 4, 2)]
     time.sleep(0.2)
@@ -113,9 +113,32 @@ def test_requests_run_in_seq_id_order_whatever_the_arrival_order() -> None:
     futures.close()
 
 
+def test_a_reused_seq_id_with_other_data_is_refused_not_answered_with_the_old_result() -> None:
+    futures = Futures(workers=1)
+    seq = Sequencer(futures, "alice", gap_timeout_s=30)
+    order: list[int] = []
+    first = seq.submit(1, _recorder(order, 1), digest=b"a")
+    assert seq.submit(1, _recorder(order, 1), digest=b"a") == first  # the same request again: a retry
+    with pytest.raises(StateError, match="seq_id 1"):
+        seq.submit(1, _recorder(order, 2), digest=b"b")
+    _wait(futures, [first])
+    assert order == [1]
+    futures.close()
+
+
+def test_a_future_is_known_only_to_its_owner() -> None:
+    futures = Futures(workers=1, max_per_owner=3)
+    mine = [futures.new("alice") for _ in range(5)]
+    theirs = futures.new("mallory")
+    assert futures.known(mine[-1], "alice") and not futures.known(mine[-1], "mallory")
+    assert futures.known(theirs, "mallory") and not futures.known(theirs, "alice")
+    assert [futures.known(r, "alice") for r in mine] == [False, False, True, True, True]  # each owner's bound
+    futures.close()
+
+
 def test_a_gap_that_never_fills_is_skipped_after_the_timeout() -> None:
     futures = Futures(workers=2)
-    seq = Sequencer(futures, gap_timeout_s=0.3)
+    seq = Sequencer(futures, "alice", gap_timeout_s=0.3)
     order: list[int] = []
     rid = seq.submit(2, _recorder(order, 2))
     _wait(futures, [rid])
@@ -130,7 +153,7 @@ def test_retrieve_waits_for_the_reply_without_a_thread() -> None:
     import asyncio
 
     futures = Futures(workers=1)
-    rid = futures.new()
+    rid = futures.new("alice")
     threading.Timer(0.2, lambda: futures.complete(rid, Reply(200, b"done", "text/plain"))).start()
 
     async def main() -> tuple[Reply | None, Reply | None]:

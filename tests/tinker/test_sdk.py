@@ -98,7 +98,7 @@ def _adapter(state_dir: Path, path: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file  # noqa: PLC0415
 
     run, kind, name = path.removeprefix("tinker://").split("/")
-    return load_file(str(state_dir / "tinker" / run / kind / name / "adapter_model.safetensors"))
+    return load_file(str(state_dir / ".tinker" / "runs" / run / kind / name / "adapter_model.safetensors"))
 
 
 def test_two_runs_trained_concurrently_equal_each_trained_alone(tinker_server, tinker_model: Path) -> None:
@@ -139,7 +139,7 @@ def test_exported_adapter_loads_in_peft_with_the_same_logprobs(tinker_server, ti
     sampler = service.create_sampling_client(model_path=path).result()
     scored = sampler.compute_logprobs(types.ModelInput.from_ints(SEQS[2])).result()
     run, kind, name = path.removeprefix("tinker://").split("/")
-    directory = server.state_dir / "tinker" / run / kind / name
+    directory = server.state_dir / ".tinker" / "runs" / run / kind / name
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tinker_model)), str(directory)).eval()
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([SEQS[2]])).logits[0].float()
@@ -208,7 +208,7 @@ def test_forward_backward_custom_applies_the_gradient_of_the_client_side_loss(ti
 
     run, kind, _ = init.removeprefix("tinker://").split("/")
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tinker_model)),
-                                      str(server.state_dir / "tinker" / run / kind / "init"), is_trainable=True)
+                                      str(server.state_dir / ".tinker" / "runs" / run / kind / "init"), is_trainable=True)
     logps = []
     for s in SEQS:
         logp = torch.log_softmax(model(input_ids=torch.tensor([s])).logits[0].float(), -1)
@@ -224,12 +224,12 @@ def test_forward_backward_custom_applies_the_gradient_of_the_client_side_loss(ti
     trainable = [p for p in model.parameters() if p.requires_grad]
     torch.optim.AdamW(trainable, lr=1e-2, betas=(0.9, 0.95), eps=1e-3, weight_decay=0.0).step()
     expected = get_peft_model_state_dict(model, save_embedding_layers=False)
-    got = load_file(str(server.state_dir / "tinker" / run / kind / "after" / "adapter_model.safetensors"))
+    got = load_file(str(server.state_dir / ".tinker" / "runs" / run / kind / "after" / "adapter_model.safetensors"))
     assert got.keys() == expected.keys()
     moved = 0
     for key, value in got.items():
         torch.testing.assert_close(value, expected[key].detach(), rtol=1e-4, atol=2e-5)  # a step is up to 1e-2
-        moved += int(not torch.equal(value, load_file(str(server.state_dir / "tinker" / run / kind / "init" /
+        moved += int(not torch.equal(value, load_file(str(server.state_dir / ".tinker" / "runs" / run / kind / "init" /
                                                                 "adapter_model.safetensors"))[key]))
     assert moved > 0
     assert after.endswith("/after")
@@ -275,7 +275,7 @@ def test_full_finetune_setting_trains_the_whole_model_through_the_sdk(tinker_ser
     assert [list(s.tokens) for s in sample.sequences] == [s.tokens for s in group.samples]
 
     run, kind, name = exported.removeprefix("tinker://").split("/")
-    model = AutoModelForCausalLM.from_pretrained(str(server.state_dir / "tinker" / run / kind / name)).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(server.state_dir / ".tinker" / "runs" / run / kind / name)).eval()
     with torch.no_grad():
         logp = torch.log_softmax(model(input_ids=torch.tensor([SEQS[2]])).logits[0].float(), -1)
     assert scored[1:] == pytest.approx([float(logp[i - 1, SEQS[2][i]]) for i in range(1, len(SEQS[2]))], abs=1e-5)

@@ -36,11 +36,11 @@ import torch
 from floe.atomic import atomic_directory
 from floe.backend.locks import ModeLock, SharedLock
 from floe.backend.state import (
-    check_state_name,
     delete_state_dir,
     list_state_dirs,
     read_meta,
     read_state,
+    state_path,
     write_state,
 )
 from floe.backend.sync import WeightSync, verify
@@ -235,8 +235,7 @@ class Backend:
     def save_state(self, name: str) -> StateResult:
         """Save every zone's state as `<state_dir>/<name>` (replacing a state of that name).
         StateError while gradients wait for optim_step."""
-        name = check_state_name(name)
-        path = self.state_dir / name
+        path = state_path(self.state_dir, name)
         with self._op("train"), self._policy_lock, self._sampler_lock.shared():
             # The policy writes its own files (a sharded policy: its ranks' shards) into the temp directory.
             write_state(path, [self.sampler.save_state()], self.config.model, save_policy=self.policy.save_state)
@@ -245,8 +244,7 @@ class Backend:
     def load_state(self, name: str) -> StateResult:
         """Restore a saved state. The sampler gets the restored policy weights and the saved
         version; gradients not yet applied are discarded. A state that does not fit changes nothing."""
-        name = check_state_name(name)
-        path = self.state_dir / name
+        path = state_path(self.state_dir, name)
         read_state(path, files=())  # a missing or unreadable state: StateError before the mode switch
         with self._op("sync"), self._policy_lock, self._sampler_lock.exclusive():
             state = read_state(path, files=("rng.safetensors",))  # the policy reads its own files
@@ -259,8 +257,7 @@ class Backend:
 
     def delete_state(self, name: str) -> StateResult:
         """Remove a saved state; returns what it held. StateError when there is none of that name."""
-        name = check_state_name(name)
-        path = self.state_dir / name
+        path = state_path(self.state_dir, name)
         with self._policy_lock:  # save_state and load_state hold it too
             meta = read_meta(path)
             if meta is None:

@@ -13,22 +13,22 @@ that only one adapter is active at a time, so every model use (any run's trainin
 sampling) holds `AdapterHost.lock` and activates its adapter first: runs interleave per call
 and never see each other's weights.
 
-Samplers are frozen adapters: `snapshot(run)` copies the run's adapter at its current version
-into a new adapter (re-used while the run's version is unchanged); `load_sampler(dir)` loads a
-saved one; `BASE_SAMPLER` samples the base model with no adapter. Sampling runs floe's torch
-engine (`floe.sampler.torch_engine.TorchEngine`) on the adapted model, and `prompt_logprobs`
-runs floe's scoring on it.
+Samplers are frozen weights: `snapshot(run)` copies the run's adapter at its current version
+into a new adapter; `load_sampler(dir)` loads one saved by `save_sampler` or
+`save_sampler_weights`; `base_sampler()` samples the base model with no adapter. Each lives
+until `release_sampler` frees it: how long samplers stay in memory, and when one is written to
+disk to come back later, is the caller's decision (the Tinker service's residency), not a cap
+here. Sampling runs floe's torch engine (`floe.sampler.torch_engine.TorchEngine`) on the
+adapted model, and `prompt_logprobs` runs floe's scoring on it.
 
 Full fine-tune runs (`create_run(run_id, None)`, only when the manager was built with
 `full_finetune=True`, the server's `[server] tinker_full_finetune`): the run owns a copy of the
 base model, loaded from disk, and its `PolicyZone` trains every weight with its own AdamW state
 (fp32 masters for a bf16 model, as the native policy). At most one exists at a time (a second
 is a StateError naming the setting): a full run costs a whole model plus AdamW moments. Its
-samplers are frozen copies of the whole model (`FrozenModel`, each with its own torch engine),
-fewer of them kept than adapter snapshots (MAX_FULL_SNAPSHOTS_PER_RUN per run, and
-MAX_LOADED_FULL_SAMPLERS loaded from disk, least recently used dropped first); a sampler whose
-copy was dropped answers a StateError. Its sampler weights on disk are an ordinary Hugging Face
-model directory (weights, config, tokenizer). A full run uses its own lock, not the host's.
+samplers are frozen copies of the whole model (`FrozenModel`, each with its own torch engine);
+on disk they are an ordinary Hugging Face model directory (weights, config, tokenizer). A full
+run uses its own lock, not the host's.
 
 Versions: a run's version counts its optimizer steps (a loaded run continues its saved count);
 every sample carries the version of the sampler's weights.
@@ -39,7 +39,6 @@ from __future__ import annotations
 import copy
 import json
 import threading
-from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -77,9 +76,6 @@ from floe.types import (
 BASE_SAMPLER = "base"
 RUN_META = "run.json"
 SAMPLER_META = "floe_lora.json"
-MAX_SNAPSHOTS_PER_RUN = 8  # unnamed sampler snapshots kept per run (oldest dropped first)
-MAX_FULL_SNAPSHOTS_PER_RUN = 2  # the same for a full fine-tune run (each is a whole model)
-MAX_LOADED_FULL_SAMPLERS = 2  # full models loaded from sampler weights on disk (LRU)
 FULL_FINETUNE_SETTING = "[server] tinker_full_finetune"
 
 
@@ -121,7 +117,6 @@ class Run:
     spec: LoraSpec | None
     zone: PolicyZone
     user_metadata: dict[str, Any] = field(default_factory=dict)
-    snapshots: dict[int, str] = field(default_factory=dict)  # version -> frozen weights name
     lock: threading.RLock = field(default_factory=threading.RLock)  # a full run's (LoRA: the host's)
 
     @property
@@ -168,7 +163,6 @@ class RunManager:
         self._engine: TorchEngine | None = None
         self._base_config: PretrainedConfig | None = None
         self.frozen: dict[str, FrozenModel] = {}  # full-run samplers' models by name
-        self._loaded_full: OrderedDict[tuple[str, int], str] = OrderedDict()  # (dir, mtime) -> frozen name, LRU
         self._full_owner: str | None = None  # the full run's id (or the one being created)
         self._load_lock = threading.Lock()
         self._names = 0
@@ -304,30 +298,44 @@ class RunManager:
             return zone.optim_step()
 
     def close_run(self, run_id: str) -> None:
-        """Forget a run and free its adapter and its snapshots (its checkpoints stay on disk)."""
+        """Forget a run and free its trained weights (its checkpoints stay on disk; samplers made
+        from it stay until `release_sampler`)."""
         run = self.runs.pop(run_id, None)
         if run is None:
             return
         if run.full:
-            with run.lock:
-                for name in run.snapshots.values():
-                    self.frozen.pop(name, None)
-                run.snapshots.clear()
             with self._load_lock:
                 if self._full_owner == run_id:
                     self._full_owner = None
             return
         with self.host.lock:
             self.host.remove(run.adapter)  # type: ignore[arg-type]
-            for adapter in run.snapshots.values():
-                self.host.remove(adapter)
 
     def release_sampler(self, sampler: SamplerInfo) -> None:
-        """Free a sampler loaded from disk (`load_sampler`); snapshots belong to their run, and
-        full models loaded from disk are kept for re-use (a few, least recently used dropped)."""
-        if not sampler.full and sampler.weights is not None and sampler.weights.startswith("saved_"):
-            with self.host.lock:
-                self.host.remove(sampler.weights)
+        """Free a sampler's frozen weights (a snapshot, or weights loaded from disk); the base
+        sampler has none. Idempotent."""
+        if sampler.weights is None:
+            return
+        if sampler.full:
+            self.frozen.pop(sampler.weights, None)
+            return
+        if self._host is not None:
+            with self._host.lock:
+                if sampler.weights in self._host.specs:
+                    self._host.remove(sampler.weights)
+
+    def pending_calls(self, run_id: str) -> int:
+        """forward_backward calls of the run not yet applied by optim_step."""
+        return self._run(run_id).zone.pending_calls
+
+    def unload(self) -> None:
+        """Drop the base model from memory (it loads again on next use). Only when no run and
+        no sampler of this manager is in memory: StateError otherwise."""
+        if self.runs or self.frozen or (self._host is not None and self._host.specs):
+            raise StateError("unload: runs or samplers of this base model are still in memory")
+        with self._load_lock:
+            self._host = None
+            self._engine = None
 
     # -- state on disk --------------------------------------------------------------------------
 
@@ -384,7 +392,7 @@ class RunManager:
     def reload(self, run_id: str, directory: Path, with_optimizer: bool) -> Run:
         """Replace run `run_id` by a saved state of the same kind (its weights, step, and AdamW
         moments when `with_optimizer`); the run is unchanged when loading fails. A full run
-        loads in place (there is room for one full model); its sampler snapshots are dropped."""
+        loads in place (there is room for one full model). Samplers made from the run stay."""
         run = self._run(run_id)
         state, spec, user_metadata = self._read_run_state(directory)
         if (spec is None) != run.full:
@@ -393,9 +401,6 @@ class RunManager:
         if run.full:
             with run.lock:
                 self._apply_state(run, state, with_optimizer)
-                for name in run.snapshots.values():
-                    self.frozen.pop(name, None)
-                run.snapshots.clear()
             return run
         staging = f"{run_id}#loading"
         loaded = self._new_run_from(staging, state, spec, user_metadata, with_optimizer)
@@ -439,30 +444,33 @@ class RunManager:
         return name
 
     def snapshot(self, run_id: str) -> SamplerInfo:
-        """A frozen copy of the run's weights at its current version (shared by every sampler
-        made while the version is unchanged)."""
+        """A frozen copy of the run's weights at its current version, held until `release_sampler`."""
         run = self._run(run_id)
         if run.full:
             with run.lock:
-                version = run.version
-                name = run.snapshots.get(version)
-                if name is None:
-                    name = self._freeze(copy.deepcopy(run.zone.model))
-                    run.snapshots[version] = name
-                    while len(run.snapshots) > MAX_FULL_SNAPSHOTS_PER_RUN:
-                        self.frozen.pop(run.snapshots.pop(min(run.snapshots)), None)
-            return SamplerInfo(name, version, run_id, full=True)
+                return SamplerInfo(self._freeze(copy.deepcopy(run.zone.model)), run.version, run_id, full=True)
         with self.host.lock:
-            version = run.version
-            adapter = run.snapshots.get(version)
-            if adapter is None:
-                adapter = self._new_name("snap")
-                self.host.copy(run.adapter, adapter)  # type: ignore[arg-type]
-                run.snapshots[version] = adapter
-                while len(run.snapshots) > MAX_SNAPSHOTS_PER_RUN:
-                    oldest = min(run.snapshots)
-                    self.host.remove(run.snapshots.pop(oldest))
-        return SamplerInfo(adapter, version, run_id)
+            adapter = self._new_name("snap")
+            self.host.copy(run.adapter, adapter)  # type: ignore[arg-type]
+            return SamplerInfo(adapter, run.version, run_id)
+
+    def save_sampler(self, sampler: SamplerInfo, directory: Path) -> None:
+        """Write a sampler's frozen weights to `directory` (atomically), as `load_sampler` reads
+        them: a peft adapter directory, or a full model's Hugging Face directory."""
+        if sampler.weights is None:
+            raise StateError("save_sampler: the base model's sampler has no weights of its own")
+        with atomic_directory(directory, replace=True) as tmp:
+            if sampler.full:
+                self._frozen_model(sampler).model.save_pretrained(tmp)
+                self.tokenizer.save_pretrained(tmp)
+                kind: dict[str, Any] = {"full": True}
+            else:
+                with self.host.lock:
+                    if sampler.weights not in self.host.specs:
+                        raise StateError(_RELEASED)
+                    self.host.save_adapter(sampler.weights, tmp)
+                    kind = {"lora": self.host.specs[sampler.weights].to_json()}
+            (tmp / SAMPLER_META).write_text(json.dumps({**kind, "version": sampler.version, "run_id": sampler.run_id}))
 
     def load_sampler(self, directory: Path) -> SamplerInfo:
         """Frozen weights from a directory written by `save_sampler_weights`."""
@@ -472,8 +480,7 @@ class RunManager:
             raise StateError(f"no sampler weights at {directory}")
         meta = json.loads(meta_path.read_text())
         if meta.get("full") is True:
-            return SamplerInfo(self._load_full_sampler(directory, meta_path.stat().st_mtime_ns), int(meta["version"]),
-                               meta.get("run_id"), full=True)
+            return SamplerInfo(self._load_full_sampler(directory), int(meta["version"]), meta.get("run_id"), full=True)
         tensors = load_file(str(directory / "adapter_model.safetensors"))
         adapter = self._new_name("saved")
         host = self.host
@@ -486,29 +493,16 @@ class RunManager:
                 raise
         return SamplerInfo(adapter, int(meta["version"]), meta.get("run_id"))
 
-    def _load_full_sampler(self, directory: Path, stamp: int) -> str:
-        """The frozen model of a full run's sampler directory, loaded once while it is among the
-        MAX_LOADED_FULL_SAMPLERS most recently used (a rewritten directory loads again)."""
-        key = (str(directory.resolve()), stamp)
-        with self._load_lock:
-            name = self._loaded_full.get(key)
-            if name is not None and name in self.frozen:
-                self._loaded_full.move_to_end(key)
-                return name
+    def _load_full_sampler(self, directory: Path) -> str:
+        """The frozen model of a full run's sampler directory (held until `release_sampler`)."""
         cfg = self.config
         model = load_model(str(directory), cfg.dtype, cfg.device, cfg.trust_remote_code, cfg.attn_implementation)
         base = self.base_config
         mismatch = [k for k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")
                     if getattr(model.config, k, None) != getattr(base, k, None)]
         if mismatch:
-            raise StateError(f"the sampler weights at {directory} are not a fine-tune of this server's model "
-                             f"(config differs in {mismatch})")
-        name = self._freeze(model)
-        with self._load_lock:
-            self._loaded_full[key] = name
-            while len(self._loaded_full) > MAX_LOADED_FULL_SAMPLERS:
-                self.frozen.pop(self._loaded_full.popitem(last=False)[1], None)
-        return name
+            raise StateError(f"these sampler weights are not a fine-tune of this base model (config differs in {mismatch})")
+        return self._freeze(model)
 
     def base_sampler(self) -> SamplerInfo:
         self.host  # noqa: B018 - loads the base model
@@ -564,5 +558,4 @@ class RunManager:
             return score_batch(model, batch, 1.0, False, self.compute).logprobs[0][0]  # type: ignore[arg-type]
 
 
-_RELEASED = ("this sampler's weights were released (its run closed, or too many newer snapshots of it); "
-             "save weights for a sampler again")
+_RELEASED = "this sampler's weights were released (its session finished); save weights for a sampler again"

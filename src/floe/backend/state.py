@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import uuid
 from collections.abc import Callable
@@ -39,11 +38,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from floe.atomic import atomic_directory, recover, recover_all
-from floe.errors import InvalidInput, StateError
+from floe.errors import StateError
+from floe.names import check_name, path_under
 
 __all__ = [
     "FORMAT_VERSION", "POLICY_RNG_FILE", "STATE_FILES", "ZoneState", "check_state_name", "delete_state_dir",
-    "list_state_dirs", "policy_layout", "read_meta", "read_policy_files", "read_state", "saved_shapes",
+    "list_state_dirs", "policy_layout", "read_meta", "read_policy_files", "read_state", "saved_shapes", "state_path",
     "write_policy_files", "write_state",
 ]
 
@@ -52,14 +52,16 @@ READABLE_FORMATS = (1, 2)
 STATE_FILES = ("policy.safetensors", "optimizer.safetensors", "rng.safetensors")
 POLICY_RNG_FILE = "policy_rng.safetensors"
 _META = "state.json"
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 
 
 def check_state_name(name: Any) -> str:
-    """`name` if it is a valid state name, else InvalidInput("name", ...)."""
-    if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
-        raise InvalidInput("name", "a state name is 1-128 letters, digits, '_', '-', '.', not starting with '.'")
-    return name
+    """`name` if it is a valid state name (`floe.names.check_name`), else InvalidInput("name")."""
+    return check_name(name, "name")
+
+
+def state_path(state_dir: Path, name: Any) -> Path:
+    """The directory of state `name` under `state_dir` (InvalidInput("name") for a bad name)."""
+    return path_under(state_dir, name, field="name")
 
 
 @dataclass

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
-from floe.errors import FloeError, InvalidInput, StateError, WorkerFailed
+from floe.errors import FloeError, InvalidInput, NotFound, StateError, WorkerFailed
 
 
 class WireError(InvalidInput):
@@ -46,12 +46,15 @@ class RemoteUnavailable(RemoteError, ConnectionError):
 def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
     """The HTTP status and JSON body for an exception an operation raised.
 
-    WireError -> 400 "bad_request", InvalidInput -> 422 "invalid_input" (both with `field`),
+    WireError -> 400 "bad_request", NotFound -> 404 "not_found", InvalidInput -> 422 "invalid_input"
+    (all with `field`),
     StateError -> 409 "state_error" (a WorkerFailed also carries "zone" and "rank"),
     anything else -> 500 "internal_error".
     """
     if isinstance(exc, WireError):
         return 400, _body("bad_request", exc.message, exc.field)
+    if isinstance(exc, NotFound):
+        return 404, _body("not_found", exc.message, exc.field)
     if isinstance(exc, InvalidInput):
         return 422, _body("invalid_input", exc.message, exc.field)
     if isinstance(exc, WorkerFailed):
@@ -73,7 +76,7 @@ UNAUTHORIZED_FIX = "set $FLOE_TOKEN or pass token= to floe.connect (backend.toke
 
 def raise_remote_error(status: int, body: Any) -> NoReturn:
     """Re-raise a server's error body as the exception the in-process backend would raise:
-    InvalidInput (same field and message), WorkerFailed (a state_error with zone and rank: same
+    InvalidInput / NotFound (same field and message), WorkerFailed (a state_error with zone and rank: same
     zone, rank and message), StateError, else RemoteError(status, code, message).
     A 401's message ends with the fix (UNAUTHORIZED_FIX)."""
     if not isinstance(body, dict):
@@ -83,6 +86,8 @@ def raise_remote_error(status: int, body: Any) -> NoReturn:
         message = f"{message or 'unauthorized'}; {UNAUTHORIZED_FIX}"
     if error in ("invalid_input", "bad_request") and isinstance(field, str):
         raise InvalidInput(field, message)
+    if error == "not_found" and isinstance(field, str):
+        raise NotFound(field, message)
     if error == "state_error":
         zone, rank = body.get("zone"), body.get("rank")
         if isinstance(zone, str) and type(rank) is int:

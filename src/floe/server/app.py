@@ -15,9 +15,11 @@
                              vLLM's token-in/token-out API and the admin calls prime-rl's
                              orchestrator makes around weight updates (protocols/vllm_compat.py)
 
-Everything but /health and /ready needs the bearer token when one is set; the check happens
-before the body is read. Operations run in a worker thread, in per-client sequence order
-(ordering.py); the Backend itself serializes them.
+Every request first passes the edge (edge.py): Host and Origin checks, the principal
+(principals.py: the bearer token, a Tinker key, or the one local user of a server without
+credentials) resolved before the body is read, and the body bounded in size and time. Only
+/health and /ready answer without a credential when the server has one. Operations run in a
+worker thread, in per-client sequence order (ordering.py); the Backend itself serializes them.
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ import logging
 import re
 import tempfile
 import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
@@ -43,7 +47,7 @@ from floe.errors import FloeError
 from floe.protocol import wire
 from floe.protocol.ops import OPS
 from floe.protocol.wire import CLIENT_HEADER, REPLAYED_HEADER, SEQ_HEADER
-from floe.server.auth import check_bearer
+from floe.server.edge import Edge
 from floe.server.errors import ApiError, to_api_error
 from floe.server.metrics import Metrics
 from floe.server.ordering import Ledger, Reply
@@ -55,8 +59,7 @@ from floe.server.settings import ServerConfig
 
 log = logging.getLogger("floe.server")
 
-_CLIENT_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
-_TOO_LARGE = b"\x00too-large"  # the digest that stands for "a body over the limit"
+_CLIENT_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 
 
 class ServerState:
@@ -100,50 +103,53 @@ def error_reply(error: ApiError) -> Reply:
 
 def create_app(backend: Backend, config: ServerConfig) -> FastAPI:
     state = ServerState(backend, config)
-    app = FastAPI(title="floe", docs_url=None, redoc_url=None, openapi_url=None)
+    on_shutdown: list[Callable[[], None]] = []
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        for close in on_shutdown:  # after the last request: the Tinker service offloads its runs
+            await run_in_threadpool(close)
+
+    app = FastAPI(title="floe", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.floe = state
 
-    async def authorized(request: Request) -> None:
-        check_bearer(request.headers.get("authorization"), config.token)
-
-    auth = [Depends(authorized)]
-
-    def respond(request: Request, error: ApiError) -> JSONResponse:
+    def respond(path: str, error: ApiError) -> JSONResponse:
         """floe's error body, or OpenAI's under /v1."""
-        if request.url.path == OPENAI_PREFIX or request.url.path.startswith(OPENAI_PREFIX + "/"):
+        if path == OPENAI_PREFIX or path.startswith(OPENAI_PREFIX + "/"):
             return openai_error_response(error)
         return error_response(error)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return respond(request, exc)
+        return respond(request.url.path, exc)
 
     @app.exception_handler(FloeError)
     async def _floe_error(request: Request, exc: FloeError) -> JSONResponse:
-        return respond(request, to_api_error(exc))
+        return respond(request.url.path, to_api_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return respond(request, ApiError(exc.status_code, code, str(exc.detail)))
+        return respond(request.url.path, ApiError(exc.status_code, code, str(exc.detail)))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         field = ".".join(str(p) for p in first.get("loc", ())) or None
-        return respond(request, ApiError(422, "invalid_input", str(first.get("msg", "invalid request")), field))
+        return respond(request.url.path, ApiError(422, "invalid_input", str(first.get("msg", "invalid request")), field))
 
     @app.middleware("http")
     async def observe(request: Request, call_next: Any) -> Response:
         start = time.perf_counter()
         if state.draining and request.url.path != "/health":
-            response: Response = respond(request, ApiError(503, "shutting_down", "the server is shutting down; retry elsewhere or later"))
+            response: Response = respond(request.url.path, ApiError(503, "shutting_down", "the server is shutting down; retry elsewhere or later"))
         else:
             try:
                 response = await call_next(request)
             except Exception as exc:  # answered as a 500, logged
                 log.exception("unhandled error")
-                response = respond(request, to_api_error(exc))
+                response = respond(request.url.path, to_api_error(exc))
         route = getattr(request.scope.get("route"), "path", "unmatched")
         if route == "/api/{op}" and request.path_params.get("op") in OPS:
             route = request.url.path  # one label per operation; unknown names stay grouped
@@ -169,43 +175,45 @@ def create_app(backend: Backend, config: ServerConfig) -> FastAPI:
             return error_response(ApiError(503, "shutting_down", "the server is shutting down"))
         return JSONResponse({"status": "ready"})
 
-    @app.get("/info", dependencies=auth)
+    @app.get("/info")
     async def info() -> dict[str, Any]:
         return dataclasses.asdict(await run_in_threadpool(backend.info))
 
-    @app.get("/tokenizer", dependencies=auth)
+    @app.get("/tokenizer")
     async def tokenizer_files() -> dict[str, Any]:
         return {"files": await run_in_threadpool(_tokenizer_files, backend)}
 
-    @app.get("/metrics", dependencies=auth)
+    @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
-    @app.post("/api/{op}", dependencies=auth)
+    @app.post("/api/{op}")
     async def operation(op: str, request: Request) -> Response:
         if op not in OPS:
             raise ApiError(404, "not_found", f"no operation {op!r}; one of {list(OPS)}")
         order = _order_headers(request)
-        body = await _read_body(request, config.max_request_bytes)
+        body = await request.body()  # read (bounded) by the edge
 
         async def produce() -> Reply:
-            if body is None:
-                return error_reply(ApiError(413, "payload_too_large", f"request body exceeds {config.max_request_mb:g} MiB"))
             return await run_in_threadpool(state.execute, op, body)
 
         if order is None:
             reply, replayed = await produce(), False
         else:
-            digest = _TOO_LARGE if body is None else await run_in_threadpool(lambda: hashlib.sha256(body).digest())
+            digest = await run_in_threadpool(lambda: hashlib.sha256(body).digest())
             reply, replayed = await state.ledger.run(*order, digest, produce)
         headers = {"Server-Timing": f"op;dur={reply.seconds * 1000:.3f}"}
         if replayed:
             headers[REPLAYED_HEADER] = "1"
         return Response(reply.body, status_code=reply.status, media_type=reply.media_type, headers=headers)
 
-    app.include_router(openai_router(state), dependencies=auth)
-    app.include_router(tinker_router(state))  # own auth: X-API-Key (protocols/tinker/routes.py)
-    install_vllm_compat(app, state, auth)  # /inference/v1/generate, /pause, /resume, /update_weights (prime-rl)
+    app.include_router(openai_router(state))
+    tinker = tinker_router(state)  # tenants kept apart by the Tinker service itself
+    app.include_router(tinker)
+    on_shutdown.append(tinker.tinker_service.close)  # type: ignore[attr-defined]
+    install_vllm_compat(app, state)  # /inference/v1/generate, /pause, /resume, /update_weights (prime-rl)
+    # Outermost, so that nothing (the pause gate included) runs before a request is admitted.
+    app.add_middleware(Edge, config=config, render=respond, observe=state.metrics.observe_request)
     return app
 
 
@@ -214,25 +222,11 @@ def _order_headers(request: Request) -> tuple[str, int] | None:
     client, seq = request.headers.get(CLIENT_HEADER), request.headers.get(SEQ_HEADER)
     if client is None and seq is None:
         return None
-    if client is None or not _CLIENT_ID.match(client):
+    if client is None or not _CLIENT_ID.fullmatch(client):
         raise ApiError(400, "bad_request", "must be 1-128 letters, digits, '_.:-' (sent with X-Floe-Seq)", CLIENT_HEADER)
     if seq is None or not seq.isascii() or not seq.isdigit() or not 0 < int(seq) < 2**63:
         raise ApiError(400, "bad_request", "must be an integer >= 1 (sent with X-Floe-Client)", SEQ_HEADER)
     return client, int(seq)
-
-
-async def _read_body(request: Request, limit: int) -> bytes | None:
-    """The request body, or None when it is larger than `limit` (not read past the limit)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        return None
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _tokenizer_files(backend: Backend) -> dict[str, dict[str, str]]:

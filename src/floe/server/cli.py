@@ -170,7 +170,7 @@ def serve_main(argv: list[str]) -> int:
         data = _merge(files, overrides)
         server_config = server_from(data, args)
         parsed = parse_backend(data)
-        check_exposure(server_config.host, server_config.token)
+        check_exposure(server_config.host, server_config.token, server_config.tinker_api_keys)
         if args.resume_from and not (Path(parsed.state_dir) / args.resume_from / "state.json").is_file():
             raise InvalidInput("--resume-from", f"no saved state {args.resume_from!r} in {parsed.state_dir}")
     except InvalidInput as e:

@@ -12,7 +12,17 @@ class ServerConfig(StrictModel):
     host: str = "127.0.0.1"
     port: int = Field(7000, ge=0, le=65535)
     token: str | None = Field(None, description="bearer token; required unless host is loopback")
-    max_request_mb: float = Field(256, gt=0, description="larger request bodies get 413")
+    max_request_mb: float = Field(256, gt=0, description="larger request bodies get 413, on every route")
+    body_timeout_s: float = Field(120, gt=0, description="a request body must arrive within this time (then 408)")
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="Host names clients may use besides loopback names and the listening address ('*' = any); "
+        "others get 421 (DNS rebinding)",
+    )
+    allowed_origins: list[str] = Field(
+        default_factory=list,
+        description="browser origins (scheme://host[:port]) allowed to send state-changing requests; others get 403",
+    )
     sequence_timeout_s: float = Field(30, gt=0, description="how long request k waits for k-1 (then 425)")
     result_window: int = Field(16, ge=1, description="results kept per client for retried requests")
     max_clients: int = Field(1024, ge=1, description="clients whose sequence state is kept (LRU)")
@@ -26,9 +36,29 @@ class ServerConfig(StrictModel):
     openai_batch_max_sequences: int = Field(256, ge=1, description="rows (prompts x n) of one batched OpenAI sample call")
     tinker_api_keys: list[str] = Field(
         default_factory=list,
-        description="X-API-Key values the Tinker protocol (/api/v1) accepts, each starting 'tml-' (the SDK "
-        "requires it); none = only a loopback server answers it",
+        description="X-API-Key values of the Tinker protocol's tenants (/api/v1), each starting 'tml-' (the SDK "
+        "requires it); each key owns its runs, samplers, sessions and checkpoints",
     )
+    tinker_base_models: list[str] = Field(
+        default_factory=list,
+        description="more base models Tinker runs may name (local directories or hub ids), besides [backend] model "
+        "(the default); each loads on first use",
+    )
+    tinker_max_live_runs: int = Field(16, ge=1, description="Tinker training runs kept in memory; the least recently "
+                                      "used beyond it are offloaded to disk exactly and come back when used")
+    tinker_max_live_samplers: int = Field(32, ge=1, description="Tinker samplers kept in memory (the rest wait on disk)")
+    tinker_max_live_bases: int = Field(2, ge=1, description="base models kept in memory (their runs and samplers "
+                                       "leave with them)")
+    tinker_max_sessions: int = Field(64, ge=1, description="open Tinker sessions per key")
+    tinker_max_runs: int = Field(1000, ge=1, description="Tinker training runs per key (kept in the registry)")
+    tinker_max_checkpoints: int = Field(5000, ge=1, description="Tinker checkpoints per key")
+    tinker_max_samplers_per_session: int = Field(4096, ge=1, description="samplers per Tinker session")
+    tinker_max_samples_per_request: int = Field(1024, ge=1, description="num_samples of one Tinker sample request")
+    tinker_max_sampled_tokens_per_request: int = Field(
+        1 << 20, ge=1, description="num_samples x max_tokens of one Tinker sample request")
+    tinker_session_timeout_s: float = Field(
+        600, gt=0, description="a Tinker session without a heartbeat for this long ends (its runs and samplers are "
+        "freed; checkpoints stay)")
     tinker_chunk_datums: int = Field(
         1024, ge=1, description="datums per forward_backward request the tinker SDK sends (its client config)"
     )

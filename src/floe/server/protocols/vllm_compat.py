@@ -263,7 +263,7 @@ def vllm_router(state: ServerState, gate: PauseGate) -> APIRouter:
     return router
 
 
-def install(app: FastAPI, state: ServerState, dependencies: list[Any]) -> PauseGate:
+def install(app: FastAPI, state: ServerState) -> PauseGate:
     """Mount the routes and the middleware that holds sampling requests while paused."""
     gate = PauseGate()
     app.state.vllm_pause = gate
@@ -275,5 +275,5 @@ def install(app: FastAPI, state: ServerState, dependencies: list[Any]) -> PauseG
                 return await call_next(request)
         return await call_next(request)
 
-    app.include_router(vllm_router(state, gate), dependencies=dependencies)
+    app.include_router(vllm_router(state, gate))
     return gate

@@ -1,16 +1,18 @@
-"""Futures and per-model ordering for the Tinker protocol.
+"""Futures and per-run ordering for the Tinker protocol.
 
 `Futures`: every model-touching request is answered at once with a `request_id`; the work runs
 on a worker thread and its reply (status, body, media type, headers) is stored under that id
-until `retrieve_future` collects it. `wait` long-polls on the event loop (no thread held) up to
-a bound the SDK's 45 s read timeout never reaches. The last `max_entries` replies are kept (a
-retried retrieve gets the same answer).
+until `retrieve_future` collects it. A future belongs to the principal that made it: another
+one's `retrieve_future` finds nothing (404). `wait` long-polls on the event loop (no thread
+held) up to a bound the SDK's 45 s read timeout never reaches. The last `max_per_owner` replies
+of each principal are kept (a retried retrieve gets the same answer), `max_entries` in all.
 
 `Sequencer`: one per training run. Requests carry the client's `seq_id` (1, 2, ... per
 TrainingClient); each runs only after every smaller one, so the chunks of a forward_backward
 that arrive out of order are applied in `seq_id` order. A gap that stays open longer than
 `gap_timeout_s` (a request the client reserved but never sent) is skipped. A re-sent `seq_id`
-gets the original `request_id` (idempotent retries).
+with the same body gets the original `request_id` (idempotent retries); with a different body
+it is refused (StateError, 409): answering the old result would silently drop the new request.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from __future__ import annotations
 import asyncio
 import threading
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+
+from floe.errors import StateError
 
 
 @dataclass
@@ -33,7 +37,8 @@ class Reply:
 
 
 class _Entry:
-    def __init__(self) -> None:
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
         self.reply: Reply | None = None
         self.waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
 
@@ -41,23 +46,33 @@ class _Entry:
 class Futures:
     """request_id -> reply, filled by worker threads, awaited by retrieve_future."""
 
-    def __init__(self, workers: int = 8, max_entries: int = 20000):
+    def __init__(self, workers: int = 8, max_entries: int = 20000, max_per_owner: int = 4096):
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._by_owner: dict[str, deque[str]] = {}
         self._lock = threading.Lock()
         self._max = max_entries
+        self._max_per_owner = max_per_owner
         self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="floe-tinker")
 
-    def new(self) -> str:
+    def new(self, owner: str) -> str:
         rid = uuid.uuid4().hex
         with self._lock:
-            self._entries[rid] = _Entry()
+            self._entries[rid] = _Entry(owner)
+            mine = self._by_owner.setdefault(owner, deque())
+            mine.append(rid)
+            while len(mine) > self._max_per_owner:
+                self._entries.pop(mine.popleft(), None)
             while len(self._entries) > self._max:
-                self._entries.popitem(last=False)
+                old, entry = self._entries.popitem(last=False)
+                with_owner = self._by_owner.get(entry.owner)
+                if with_owner and with_owner[0] == old:
+                    with_owner.popleft()
         return rid
 
-    def known(self, rid: str) -> bool:
+    def known(self, rid: str, owner: str) -> bool:
         with self._lock:
-            return rid in self._entries
+            entry = self._entries.get(rid)
+            return entry is not None and entry.owner == owner
 
     def complete(self, rid: str, reply: Reply) -> None:
         with self._lock:
@@ -101,26 +116,32 @@ class Futures:
 class Sequencer:
     """Runs one run's requests in seq_id order (see the module docstring)."""
 
-    def __init__(self, futures: Futures, gap_timeout_s: float, first_seq: int = 1):
+    def __init__(self, futures: Futures, owner: str, gap_timeout_s: float, first_seq: int = 1):
         self.futures = futures
+        self.owner = owner
         self.gap_timeout_s = gap_timeout_s
         self.next_seq = first_seq
         self.pending: dict[int, tuple[str, Callable[[], Reply]]] = {}
         self.late: list[tuple[str, Callable[[], Reply]]] = []
-        self.seen: OrderedDict[int, str] = OrderedDict()
+        self.seen: OrderedDict[int, tuple[str, bytes]] = OrderedDict()  # seq_id -> (request_id, body digest)
         self.running = False
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
 
-    def submit(self, seq_id: int | None, job: Callable[[], Reply]) -> str:
-        """The request_id of `job` at `seq_id` (the earlier one for a re-sent seq_id). A request
-        without a seq_id, or one whose turn was skipped, runs as soon as the run is free."""
+    def submit(self, seq_id: int | None, job: Callable[[], Reply], digest: bytes = b"") -> str:
+        """The request_id of `job` at `seq_id` (the earlier one for a re-sent seq_id with the same
+        `digest`; StateError for one with another). A request without a seq_id, or one whose turn
+        was skipped, runs as soon as the run is free."""
         with self._lock:
             if seq_id is not None and seq_id in self.seen:
-                return self.seen[seq_id]
-            rid = self.futures.new()
+                rid, before = self.seen[seq_id]
+                if before != digest:
+                    raise StateError(f"seq_id {seq_id} of this training run was already used for another request; "
+                                     "a retry must resend the same request, a new request needs the next seq_id")
+                return rid
+            rid = self.futures.new(self.owner)
             if seq_id is not None:
-                self.seen[seq_id] = rid
+                self.seen[seq_id] = (rid, digest)
                 while len(self.seen) > 4096:
                     self.seen.popitem(last=False)
             if seq_id is None or seq_id < self.next_seq:
@@ -165,9 +186,21 @@ class Sequencer:
         self.futures.complete(rid, reply)
         self._pump()
 
+    @property
+    def idle(self) -> bool:
+        """No request running or waiting."""
+        with self._lock:
+            return not self.running and not self.pending and not self.late
+
     def _skip_gap(self) -> None:
         with self._lock:
             self._timer = None
             if not self.running and self.pending and self.next_seq not in self.pending:
                 self.next_seq = min(self.pending)
         self._pump()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None

@@ -1,71 +1,123 @@
 """The `/api/v1/*` routes of the Tinker protocol (tinker SDK 0.38), mounted by `server/app.py`.
 
-Auth: the SDK sends `X-API-Key`. With `ServerConfig.tinker_api_keys` set, a request needs one
-of them; with none set, the routes answer only when the server listens on loopback (the
-server's bearer token is not used here: the SDK cannot send it).
+Auth happens at the edge (server/edge.py): every route here gets the request's `Principal`
+(a Tinker key's tenant, the operator's token, or the one local user of a server without
+credentials) and passes it to the service, which keeps tenants apart. The one exception is
+`GET /api/v1/download/...`: a signed, expiring URL is its credential (the SDK and the `tinker`
+CLI fetch those with no headers, as they would from cloud storage).
 
 Model-touching POSTs return a future (`{"request_id", ...}`) at once; `retrieve_future`
-long-polls up to `LONG_POLL_S` (under the SDK's 45 s read timeout) and then answers
-`try_again`, which the SDK re-polls at once. forward_backward bodies and results and sample
-results are protobuf (`schema.py`); everything else is JSON. Sample results carry the weights
-version in the `X-Floe-Weights-Version` header (beyond Tinker).
+long-polls up to `LONG_POLL_S` (under the SDK's 45 s read timeout) and then answers 408 with
+`{"type": "try_again"}`, which the SDK re-polls at once and without a log line (a 200
+`try_again` makes it warn at every poll). forward_backward bodies and results and sample results
+are protobuf (`schema.py`); everything else is JSON. Sample results carry the weights version
+in the `X-Floe-Weights-Version` header (beyond Tinker).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import os
+import secrets
+import time
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import APIRouter, Request
+from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from floe.backend.runs import RunManager
-from floe.errors import InvalidInput
-from floe.server.auth import is_loopback
-from floe.server.errors import ApiError
-from floe.server.protocols.tinker.service import TinkerService
+from floe.errors import InvalidInput, NotFound
+from floe.models import load_tokenizer
+from floe.names import path_under
+from floe.server.bodies import parse_json_object
+from floe.server.edge import principal_of
+from floe.server.protocols.tinker import requests as rq
+from floe.server.protocols.tinker.service import Bounds, TinkerService, _digest
+from floe.server.protocols.tinker.store import Limits, Store
 
 LONG_POLL_S = 20.0
+DOWNLOAD_PREFIX = "/api/v1/download/"
+URL_LIFETIME_S = 3600
+MAX_PAGE = 1000
 
 
-def check_api_key(given: str | None, keys: list[str], host: str) -> None:
-    """Raise 401 unless `given` is one of `keys` (compared in constant time); with no keys
-    configured, only a loopback server answers."""
-    if not keys:
-        if is_loopback(host):
-            return
-        raise ApiError(401, "unauthorized", "the Tinker protocol off loopback needs [server] tinker_api_keys")
-    if given is None or not any(hmac.compare_digest(given.encode(), k.encode()) for k in keys):
-        raise ApiError(401, "unauthorized", "missing or wrong X-API-Key")
+def build_service(state: Any) -> TinkerService:
+    """The Tinker service of one `server.app.ServerState`: its backend's model is the default
+    base model; `[server] tinker_base_models` adds more (each with its own tokenizer)."""
+    backend, config = state.backend, state.config
+    root = Path(backend.config.state_dir) / ".tinker"
+    default = backend.config.model
+    bases: dict[str, RunManager] = {
+        default: RunManager(backend.config, backend.tokenizer, root, full_finetune=config.tinker_full_finetune)}
+    names = {state.model_name: default, default: default}
+    tokenizer_ids = {default: backend.config.tokenizer or default}
+    for extra in config.tinker_base_models:
+        if extra in names:
+            continue
+        cfg = backend.config.model_copy(update={"model": extra, "tokenizer": None})
+        bases[extra] = RunManager(cfg, load_tokenizer(extra, trust_remote_code=cfg.trust_remote_code), root,
+                                  full_finetune=config.tinker_full_finetune)
+        names[extra] = extra
+        tokenizer_ids[extra] = extra
+    store = Store(root / "tinker.sqlite3", Limits(sessions=config.tinker_max_sessions, runs=config.tinker_max_runs,
+                                                  checkpoints=config.tinker_max_checkpoints,
+                                                  samplers_per_session=config.tinker_max_samplers_per_session))
+    bounds = Bounds(samples_per_request=config.tinker_max_samples_per_request,
+                    sampled_tokens_per_request=config.tinker_max_sampled_tokens_per_request,
+                    session_timeout_s=config.tinker_session_timeout_s, gap_timeout_s=config.sequence_timeout_s)
+    return TinkerService(bases, names, tokenizer_ids, root, bounds, store,
+                         (config.tinker_max_live_runs, config.tinker_max_live_samplers, config.tinker_max_live_bases),
+                         config.tinker_full_finetune)
 
 
-async def _json(request: Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except ValueError:
-        raise InvalidInput("body", "must be a JSON object") from None
-    if not isinstance(body, dict):
-        raise InvalidInput("body", "must be a JSON object")
-    return body
+class _Signer:
+    """HMAC-signed, expiring download URLs; the key lives in the Tinker root (mode 0600)."""
+
+    def __init__(self, root: Path):
+        path = root / "download.key"
+        root.mkdir(parents=True, exist_ok=True)
+        if not path.is_file():
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(secrets.token_bytes(32))
+        self._key = path.read_bytes()
+
+    def sign(self, target: str, expires: int) -> str:
+        return hmac.new(self._key, f"{target}\n{expires}".encode(), hashlib.sha256).hexdigest()
+
+    def check(self, target: str, expires: str, signature: str) -> None:
+        if not expires.isdigit() or int(expires) < time.time() or not hmac.compare_digest(
+                self.sign(target, int(expires)), signature):
+            raise NotFound("sig", "this download link is wrong or has expired; ask for new links")
+
+
+def _page(request: Request, default_limit: int) -> tuple[int, int]:
+    out = []
+    for name, default in (("offset", 0), ("limit", default_limit)):
+        raw = request.query_params.get(name, str(default))
+        if not raw.isdigit() or (name == "limit" and not 1 <= int(raw) <= MAX_PAGE):
+            raise InvalidInput(name, f"must be an integer{' in [1, 1000]' if name == 'limit' else ' >= 0'}, got {raw[:40]!r}")
+        out.append(int(raw))
+    scope = request.query_params.get("access_scope", "owned")
+    if scope not in ("owned", "accessible"):
+        raise InvalidInput("access_scope", f"must be 'owned' or 'accessible', got {scope[:40]!r}")
+    return out[0], out[1]
 
 
 def tinker_router(state: Any) -> APIRouter:
-    """The router for one `server.app.ServerState` (its backend's model is the one base model)."""
-    backend, config = state.backend, state.config
-    runs = RunManager(backend.config, backend.tokenizer, Path(backend.config.state_dir) / "tinker",
-                      full_finetune=config.tinker_full_finetune)
-    service = TinkerService(
-        runs, base_model=backend.config.model, served_name=state.model_name,
-        tokenizer_id=backend.config.tokenizer or backend.config.model, gap_timeout_s=config.sequence_timeout_s,
-    )
+    """The router for one `server.app.ServerState`."""
+    config = state.config
+    service = build_service(state)
+    signer = _Signer(service.layout.root)
+    router = APIRouter(prefix="/api/v1")
+    router.tinker_service = service  # type: ignore[attr-defined]  # the app closes it; tests reach the live service
 
-    async def authorized(request: Request) -> None:
-        check_api_key(request.headers.get("x-api-key"), list(config.tinker_api_keys), config.host)
-
-    router = APIRouter(prefix="/api/v1", dependencies=[Depends(authorized)])
-    router.tinker_service = service  # type: ignore[attr-defined]  # tests and docs reach the live service
+    async def json_of(request: Request, model: type[rq.M]) -> tuple[rq.M, bytes]:
+        raw = await request.body()
+        return rq.parse(model, raw), _digest(raw)
 
     @router.post("/client/config")
     async def client_config() -> dict[str, Any]:
@@ -85,104 +137,173 @@ def tinker_router(state: Any) -> APIRouter:
     @router.get("/get_server_capabilities")
     async def capabilities() -> dict[str, Any]:
         return {"supported_models": [
-            {"model_name": name, "max_context_length": backend.max_context, "trainable": True, "sampleable": True}
-            for name in service.model_names
-        ]}
+            {"model_name": name, "max_context_length": service.bases[key].max_context, "trainable": True,
+             "sampleable": True} for name, key in service.names.items()]}
 
     @router.post("/create_session")
     async def create_session(request: Request) -> dict[str, Any]:
-        return service.create_session(await _json(request))
+        req, _ = await json_of(request, rq.CreateSession)
+        return await run_in_threadpool(service.create_session, principal_of(request), req)
 
     @router.post("/session_heartbeat")
     async def heartbeat(request: Request) -> Response:
-        body = await _json(request)
-        if not service.heartbeat(body.get("session_id")):
+        req, _ = await json_of(request, rq.SessionHeartbeat)
+        if not await run_in_threadpool(service.heartbeat, principal_of(request), req.session_id):
             return JSONResponse({"error": "session_finished", "message": "this session has finished"}, status_code=410)
         return JSONResponse({"type": "session_heartbeat"})
 
     @router.post("/sessions/{session_id}/finish")
-    async def finish(session_id: str) -> dict[str, Any]:
-        await run_in_threadpool(service.finish, session_id)
+    async def finish(session_id: str, request: Request) -> dict[str, Any]:
+        await run_in_threadpool(service.finish, principal_of(request), session_id)
         return {"status": "finished"}
+
+    @router.get("/sessions/{session_id}")
+    async def get_session(session_id: str, request: Request) -> dict[str, Any]:
+        return await run_in_threadpool(service.get_session, principal_of(request), session_id)
+
+    @router.get("/sessions")
+    async def list_sessions(request: Request) -> dict[str, Any]:
+        offset, limit = _page(request, 20)
+        return await run_in_threadpool(service.list_sessions, principal_of(request), offset, limit)
 
     @router.post("/telemetry")
     async def telemetry() -> dict[str, str]:
-        return {"status": "accepted"}
+        return {"status": "accepted"}  # the SDK's telemetry: dropped (nothing leaves this server)
 
     @router.post("/create_model")
     async def create_model(request: Request) -> dict[str, Any]:
-        return service.create_model(await _json(request))
+        req, digest = await json_of(request, rq.CreateModel)
+        return await run_in_threadpool(service.create_model, principal_of(request), req, digest)
 
     @router.post("/get_info")
     async def get_info(request: Request) -> dict[str, Any]:
-        body = await _json(request)
-        info = service.get_info(body.get("model_id"))
-        if info is None:
-            raise ApiError(404, "not_found", f"no training run {body.get('model_id')!r}", "model_id")
-        return info
+        req, _ = await json_of(request, rq.GetInfo)
+        return await run_in_threadpool(service.get_info, principal_of(request), req.model_id)
 
     @router.post("/forward_backward")
     async def forward_backward(request: Request) -> dict[str, Any]:
-        body = await request.body()
         if request.headers.get("content-encoding", "identity") != "identity":
             raise InvalidInput("Content-Encoding", "compressed bodies are not accepted (client config says so)")
-        return service.forward_backward(body)  # forward() sends the same message with forward_only set
+        # forward() sends the same message with forward_only set
+        return await run_in_threadpool(service.forward_backward, principal_of(request), await request.body())
 
     @router.post("/optim_step")
     async def optim_step(request: Request) -> dict[str, Any]:
-        return service.optim_step(await _json(request))
+        req, digest = await json_of(request, rq.OptimStep)
+        return await run_in_threadpool(service.optim_step, principal_of(request), req, digest)
 
     @router.post("/save_weights")
     async def save_weights(request: Request) -> dict[str, Any]:
-        return service.save_weights(await _json(request))
+        req, digest = await json_of(request, rq.SaveWeights)
+        return await run_in_threadpool(service.save_weights, principal_of(request), req, digest)
 
     @router.post("/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
-        return service.save_weights_for_sampler(await _json(request))
+        req, digest = await json_of(request, rq.SaveWeightsForSampler)
+        return await run_in_threadpool(service.save_weights_for_sampler, principal_of(request), req, digest)
+
+    @router.post("/save_weights_external")
+    async def save_weights_external(request: Request) -> dict[str, Any]:
+        req, digest = await json_of(request, rq.SaveWeightsExternal)
+        return await run_in_threadpool(service.save_weights_external, principal_of(request), req, digest)
 
     @router.post("/load_weights")
     async def load_weights(request: Request) -> dict[str, Any]:
-        return service.load_weights(await _json(request))
+        req, digest = await json_of(request, rq.LoadWeights)
+        return await run_in_threadpool(service.load_weights, principal_of(request), req, digest)
 
     @router.post("/create_sampling_session")
     async def create_sampling_session(request: Request) -> dict[str, Any]:
-        body = await _json(request)
-        return await run_in_threadpool(service.create_sampling_session, body)
+        req, _ = await json_of(request, rq.CreateSamplingSession)
+        return await run_in_threadpool(service.create_sampling_session, principal_of(request), req)
 
     @router.get("/samplers/{sampler_id}")
-    async def get_sampler(sampler_id: str) -> dict[str, Any]:
-        out = service.get_sampler(sampler_id)
-        if out is None:
-            raise ApiError(404, "not_found", f"no sampler {sampler_id!r}", "sampler_id")
-        return out
+    async def get_sampler(sampler_id: str, request: Request) -> dict[str, Any]:
+        return await run_in_threadpool(service.get_sampler, principal_of(request), sampler_id)
 
     @router.post("/asample")
     async def asample(request: Request) -> dict[str, Any]:
-        return service.asample(await _json(request))
+        body = parse_json_object(await request.body())
+        return await run_in_threadpool(service.asample, principal_of(request), body)
 
     @router.post("/retrieve_future")
     async def retrieve_future(request: Request) -> Response:
-        body = await _json(request)
-        rid = body.get("request_id")
-        if not isinstance(rid, str) or not service.futures.known(rid):
-            raise ApiError(404, "not_found", f"no request {rid!r} (unknown or expired)", "request_id")
-        reply = await service.futures.wait(rid, LONG_POLL_S)
+        req, _ = await json_of(request, rq.FutureRetrieve)
+        who = principal_of(request)
+        if not service.futures.known(req.request_id, who.id):
+            raise NotFound("request_id", f"no request {req.request_id[:80]!r} for this key (unknown or expired)")
+        reply = await service.futures.wait(req.request_id, LONG_POLL_S)
         if reply is None:
-            return JSONResponse({"type": "try_again", "request_id": rid, "queue_state": "active"})
+            return JSONResponse({"type": "try_again", "request_id": req.request_id, "queue_state": "active"},
+                                status_code=408)
         return Response(reply.body, status_code=reply.status, media_type=reply.media_type, headers=reply.headers)
 
-    @router.get("/training_runs/{run_id}")
-    async def training_run(run_id: str) -> dict[str, Any]:
-        out = service.training_run(run_id)
-        if out is None:
-            raise ApiError(404, "not_found", f"no training run {run_id!r}", "run_id")
-        return out
+    # -- REST: runs, checkpoints, downloads -------------------------------------------------
 
-    @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
-    async def delete_checkpoint(run_id: str, checkpoint_id: str) -> dict[str, Any]:
-        if not await run_in_threadpool(service.delete_checkpoint, run_id, checkpoint_id):
-            raise ApiError(404, "not_found", f"no checkpoint {checkpoint_id!r} in run {run_id!r}", "checkpoint_id")
+    @router.get("/training_runs")
+    async def training_runs(request: Request) -> dict[str, Any]:
+        offset, limit = _page(request, 20)
+        return await run_in_threadpool(service.training_runs, principal_of(request), offset, limit)
+
+    @router.get("/training_runs/{run_id}")
+    async def training_run(run_id: str, request: Request) -> dict[str, Any]:
+        return await run_in_threadpool(service.training_run, principal_of(request), run_id)
+
+    @router.get("/training_runs/{run_id}/checkpoints")
+    async def run_checkpoints(run_id: str, request: Request) -> dict[str, Any]:
+        offset, limit = _page(request, MAX_PAGE)
+        return await run_in_threadpool(service.checkpoints, principal_of(request), run_id, offset, limit)
+
+    @router.get("/checkpoints")
+    async def user_checkpoints(request: Request) -> dict[str, Any]:
+        offset, limit = _page(request, 100)
+        return await run_in_threadpool(service.checkpoints, principal_of(request), None, offset, limit)
+
+    @router.post("/weights_info")
+    async def weights_info(request: Request) -> dict[str, Any]:
+        req, _ = await json_of(request, rq.WeightsInfo)
+        return await run_in_threadpool(service.weights_info, principal_of(request), req.tinker_path)
+
+    @router.get("/training_runs/{run_id}/checkpoints/{kind}/{name}/external_weights_urls")
+    async def external_weights_urls(run_id: str, kind: str, name: str, request: Request) -> dict[str, Any]:
+        ckpt, files = await run_in_threadpool(service.checkpoint_files, principal_of(request), run_id, f"{kind}/{name}")
+        expires = int(time.time()) + URL_LIFETIME_S
+        base = str(request.base_url).rstrip("/")
+        urls = {}
+        for f in files:
+            target = f"{ckpt.run_id}/{ckpt.kind}/{ckpt.name}/{f}"
+            urls[f] = f"{base}{DOWNLOAD_PREFIX}{target}?expires={expires}&sig={signer.sign(target, expires)}"
+        return {"urls": urls, "expires": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(expires))}
+
+    @router.get("/download/{run_id}/{kind}/{name}/{file:path}")
+    async def download(run_id: str, kind: str, name: str, file: str, request: Request) -> Response:
+        target = f"{run_id}/{kind}/{name}/{file}"
+        signer.check(target, request.query_params.get("expires", ""), request.query_params.get("sig", ""))
+        directory = service.layout.checkpoint(run_id, kind, name, field="path")
+        path = path_under(directory, *file.split("/"), field="path")
+        if not path.is_file():
+            raise NotFound("path", "this checkpoint file no longer exists")
+        return FileResponse(path, media_type="application/octet-stream")
+
+    @router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}")
+    async def delete_checkpoint(run_id: str, kind: str, name: str, request: Request) -> dict[str, Any]:
+        await run_in_threadpool(service.delete_checkpoint, principal_of(request), run_id, f"{kind}/{name}")
         return {"status": "deleted"}
 
-    return router
+    @router.post("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish")
+    async def publish(run_id: str, kind: str, name: str, request: Request) -> dict[str, Any]:
+        await run_in_threadpool(service.publish, principal_of(request), run_id, f"{kind}/{name}", True)
+        return {"status": "published"}
 
+    @router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish")
+    async def unpublish(run_id: str, kind: str, name: str, request: Request) -> dict[str, Any]:
+        await run_in_threadpool(service.publish, principal_of(request), run_id, f"{kind}/{name}", False)
+        return {"status": "unpublished"}
+
+    @router.put("/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl")
+    async def set_ttl(run_id: str, kind: str, name: str, request: Request) -> dict[str, Any]:
+        req, _ = await json_of(request, rq.SetTtl)
+        await run_in_threadpool(service.set_ttl, principal_of(request), run_id, f"{kind}/{name}", req.ttl_seconds)
+        return {"status": "ok"}
+
+    return router

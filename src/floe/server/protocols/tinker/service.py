@@ -1,42 +1,60 @@
-"""The Tinker protocol's state and operations: sessions, training runs, samplers, futures.
+"""The Tinker protocol's operations: sessions, training runs, samplers, checkpoints, futures.
 
-`TinkerService` turns decoded requests into work on `floe.backend.runs.RunManager` and replies
-in the shapes the tinker 0.38 SDK validates. Ids follow the SDK's own scheme: a training run
-is `<session>:train:<model_seq_id>` (the SDK derives it itself when it creates a run by
-loading a checkpoint), a sampler `<session>:sample:<sampling_session_seq_id>`. Checkpoints are
-`tinker://<run id>/weights/<name>` (weights + AdamW state) and
-`tinker://<run id>/sampler_weights/<name>` (a peft adapter directory), stored under
-`<backend state_dir>/tinker/<run id>/`.
+`TinkerService` turns decoded requests of a `Principal` into work on the base models'
+`floe.backend.runs.RunManager`s and replies in the shapes the tinker 0.38 SDK validates.
+
+Tenancy: every session, run, sampler and checkpoint has the principal that made it as owner
+(`store.Store`, which answers every lookup for the asking principal: others' things are
+`NotFound`, except checkpoints their owner published, which others may read, load and sample
+from). Ids: a session id is made by the server; a training run is `<session>:train:<seq>` and a
+sampler `<session>:sample:<seq>` (the SDK derives them itself), accepted only for a session the
+principal owns; checkpoints are `tinker://<run id>/<kind>/<name>` with a client-chosen name
+checked by `floe.names.check_name`. Files live under `<state_dir>/.tinker` (`store.Layout`),
+a namespace no native state name can reach.
+
+Memory: `residency.Residency` keeps at most `[server] tinker_max_live_*` runs, samplers and base
+models in memory and moves the rest to disk exactly. Sessions that stop their heartbeat for
+`[server] tinker_session_timeout_s` end like finished ones (their runs and samplers are freed;
+checkpoints stay). Expired checkpoints (`ttl_seconds`) are deleted.
+
+Base models: `[backend] model` (also known by `[server] served_model_name`) is the default, and
+`[server] tinker_base_models` adds more; each loads on first use.
 
 With `[server] tinker_full_finetune = true`, `create_model` makes full fine-tune runs (every
 weight of the run's own model copy trains; `floe.backend.runs`): the SDK always sends a
-`lora_config`, whose rank and seed then do not apply and whose module switches must stay on;
-`get_info` reports `is_lora: false`. One full run at a time.
+`lora_config`, whose rank and seed then do not apply and whose module switches must stay on.
 
-A failed operation is answered through its future as `{"error", "category": "user"}`
-(bad input, wrong state) or `"server"` (anything else), which the SDK raises as
-`RequestFailedError` without retrying.
+A failed operation is answered through its future as `{"error", "category": "user"}` (bad
+input, wrong state) or `"server"` (anything else), which the SDK raises as `RequestFailedError`
+without retrying. No message shows a server path.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import hashlib
 import json
 import logging
+import re
+import shutil
+import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from floe.backend.runs import AdamStep, Run, RunManager, SamplerInfo
-from floe.backend.state import check_state_name, delete_state_dir, read_meta
+from floe.backend.runs import AdamStep, RunManager
+from floe.backend.state import read_meta
 from floe.compute.losses import TokenInputs, compute_loss, resolve_loss
 from floe.errors import FloeError, InvalidInput, StateError
 from floe.models.lora import LoraSpec
-from floe.server.protocols.tinker import convert, schema
+from floe.names import check_name
+from floe.server.principals import Principal
+from floe.server.protocols.tinker import convert, requests, schema
 from floe.server.protocols.tinker.futures import Futures, Reply, Sequencer
+from floe.server.protocols.tinker.residency import Residency
+from floe.server.protocols.tinker.store import Checkpoint, Layout, RunRow, SamplerRow, SessionRow, Store
 
 log = logging.getLogger("floe.server.tinker")
 
@@ -49,211 +67,273 @@ def json_reply(payload: dict[str, Any], headers: dict[str, str] | None = None) -
     return Reply(200, json.dumps(payload).encode(), JSON, headers or {})
 
 
-def failure(exc: BaseException) -> Reply:
-    """A failed operation, as the SDK expects it from retrieve_future."""
-    if isinstance(exc, (InvalidInput, StateError, FloeError)):
-        return json_reply({"error": str(exc), "category": "user"})
-    log.exception("tinker operation failed", exc_info=exc)
-    return json_reply({"error": f"{type(exc).__name__}: {exc}", "category": "server"})
+@dataclass(frozen=True)
+class Bounds:
+    """Per-request bounds (`[server] tinker_max_*`), checked before any work starts."""
 
-
-def guarded(job: Callable[[], Reply]) -> Callable[[], Reply]:
-    def run() -> Reply:
-        try:
-            return job()
-        except BaseException as exc:  # noqa: BLE001 - every failure is answered through the future
-            return failure(exc)
-
-    return run
-
-
-@dataclass
-class Session:
-    session_id: str
-    tags: list[str]
-    user_metadata: dict[str, Any]
-    last_heartbeat: float = field(default_factory=time.time)
-    finished: bool = False
-
-
-@dataclass
-class Sampler:
-    sampler_id: str
-    info: SamplerInfo
-    model_path: str | None
+    samples_per_request: int = 1024
+    sampled_tokens_per_request: int = 1 << 20  # num_samples x max_tokens
+    session_timeout_s: float = 600.0
+    gap_timeout_s: float = 30.0
 
 
 class TinkerService:
-    """Everything behind the /api/v1 routes (see the module docstring)."""
+    """Everything behind the /api/v1 routes (see the module docstring). `bases`: manager per
+    base-model key; `names`: every accepted base-model name -> its key (the first key is the
+    default)."""
 
-    def __init__(self, runs: RunManager, base_model: str, served_name: str, tokenizer_id: str, gap_timeout_s: float):
-        self.runs = runs
-        self.base_model = base_model
-        self.served_name = served_name
-        self.tokenizer_id = tokenizer_id
+    def __init__(self, bases: dict[str, RunManager], names: dict[str, str], tokenizer_ids: dict[str, str],
+                 root: Path, bounds: Bounds, store: Store, max_live: tuple[int, int, int], full_finetune: bool):
+        self.bases = bases
+        self.names = names
+        self.tokenizer_ids = tokenizer_ids
+        self.bounds = bounds
+        self.full_finetune = full_finetune
+        self.layout = Layout(root)
+        self.store = store
         self.futures = Futures()
-        self.gap_timeout_s = gap_timeout_s
-        self.sessions: dict[str, Session] = {}
         self.sequencers: dict[str, Sequencer] = {}
-        self.samplers: dict[str, Sampler] = {}
-        self.created: dict[str, float] = {}
+        self._seq_lock = threading.Lock()
+        self._storage = re.compile(re.escape(str(Path(root).resolve())) + r"[^\s'\"]*")
+        runs, samplers, base_models = max_live
+        self.residency = Residency(bases, self.layout, store, runs, samplers, base_models,
+                                   checkpoint_dir=self._checkpoint_dir, next_seq=self._next_seq)
+        for row in store.runs_with_status("live"):  # the server stopped without offloading them
+            store.update_run(row.id, status="lost")
+        self._stop = threading.Event()
+        self._sweeper = threading.Thread(target=self._sweep_loop, name="floe-tinker-sweep", daemon=True)
+        self._sweeper.start()
 
-    # -- names ------------------------------------------------------------------------------
+    # -- answers -----------------------------------------------------------------------------------
+
+    def scrub(self, text: str) -> str:
+        """`text` without server paths (a client never learns where the server keeps files)."""
+        return self._storage.sub("<server storage>", text)
+
+    def failure(self, exc: BaseException) -> Reply:
+        """A failed operation, as the SDK expects it from retrieve_future."""
+        if isinstance(exc, (InvalidInput, StateError, FloeError)):
+            return json_reply({"error": self.scrub(str(exc)), "category": "user"})
+        log.exception("tinker operation failed", exc_info=exc)
+        return json_reply({"error": self.scrub(f"{type(exc).__name__}: {exc}"), "category": "server"})
+
+    def guarded(self, job: Callable[[], Reply]) -> Callable[[], Reply]:
+        def run() -> Reply:
+            try:
+                return job()
+            except BaseException as exc:  # noqa: BLE001 - every failure is answered through the future
+                return self.failure(exc)
+
+        return run
+
+    # -- base models ---------------------------------------------------------------------------
 
     @property
     def model_names(self) -> list[str]:
-        return list(dict.fromkeys([self.served_name, self.base_model]))
+        return list(self.names)
 
-    def check_base_model(self, name: Any, field_name: str = "base_model") -> None:
-        if name not in self.model_names:
-            raise InvalidInput(field_name, f"this server serves {self.model_names}; got {name!r}")
+    def base_key(self, name: Any, field_name: str = "base_model") -> str:
+        key = self.names.get(name) if isinstance(name, str) else None
+        if key is None:
+            raise InvalidInput(field_name, f"this server serves {self.model_names}; got {str(name)[:200]!r}")
+        return key
 
-    def checkpoint_dir(self, path: Any, kind: str | None = None, field_name: str = "path") -> tuple[str, str, Path]:
-        """(run id, kind, directory) of a `tinker://<run>/<kind>/<name>` path."""
-        if not isinstance(path, str) or not path.startswith("tinker://"):
-            raise InvalidInput(field_name, f"must be a tinker://<run>/weights/<name> path, got {path!r}")
-        parts = path.removeprefix("tinker://").split("/")
-        if len(parts) != 3 or parts[1] not in ("weights", "sampler_weights") or not parts[0]:
-            raise InvalidInput(field_name, f"must be tinker://<run>/weights/<name> or .../sampler_weights/<name>, got {path!r}")
-        run_id, found, name = parts
-        if kind is not None and found != kind:
-            raise InvalidInput(field_name, f"expected a {kind} checkpoint, got {path!r}")
-        check_state_name(name)
-        if ".." in run_id or "/" in run_id or run_id.startswith("."):
-            raise InvalidInput(field_name, f"bad run id in {path!r}")
-        return run_id, found, self.runs.root / run_id / found / name
-
-    def _path(self, run_id: str, kind: str, name: str) -> tuple[str, Path]:
-        try:
-            check_state_name(name)
-        except InvalidInput as exc:
-            raise InvalidInput("path", exc.message) from None
-        return f"tinker://{run_id}/{kind}/{name}", self.runs.root / run_id / kind / name
+    def _checkpoint_dir(self, model_path: str) -> Path:
+        run_id, kind, name = requests_path(model_path)
+        return self.layout.checkpoint(run_id, kind, name, field="model_path")
 
     # -- sessions ---------------------------------------------------------------------------
 
-    def create_session(self, body: dict[str, Any]) -> dict[str, Any]:
+    def create_session(self, who: Principal, req: requests.CreateSession) -> dict[str, Any]:
         sid = uuid.uuid4().hex[:16]
-        self.sessions[sid] = Session(sid, list(body.get("tags") or []), dict(body.get("user_metadata") or {}))
+        now = time.time()
+        self.store.add_session(SessionRow(sid, who.id, list(req.tags), dict(req.user_metadata or {}), req.display_name,
+                                          req.project_id, now, now, False))
         return {"type": "create_session", "session_id": sid}
 
-    def heartbeat(self, session_id: Any) -> bool:
+    def heartbeat(self, who: Principal, session_id: str) -> bool:
         """False when the session finished (the SDK then stops its heartbeat)."""
-        session = self.sessions.get(session_id)
-        if session is None:
-            return True
-        session.last_heartbeat = time.time()
+        session = self.store.session(session_id, who)
+        if not session.finished:
+            self.store.touch_session(session.id, time.time())
         return not session.finished
 
-    def finish(self, session_id: str) -> None:
-        """The session's runs and samplers are freed (their checkpoints stay on disk)."""
-        session = self.sessions.get(session_id)
-        if session is not None:
-            session.finished = True
-        prefix = f"{session_id}:"
-        for sid in [s for s in self.samplers if s.startswith(prefix)]:
-            self.runs.release_sampler(self.samplers.pop(sid).info)
-        for model_id in [m for m in self.sequencers if m.startswith(prefix)]:
-            self.sequencers.pop(model_id)
-            self.runs.close_run(model_id)
+    def _open_session(self, who: Principal, session_id: Any) -> SessionRow:
+        session = self.store.session(session_id, who)
+        if session.finished:
+            raise StateError(f"session {session.id!r} has finished; start a new ServiceClient")
+        self.store.touch_session(session.id, time.time())
+        return session
+
+    def finish(self, who: Principal, session_id: str) -> None:
+        self._end_session(self.store.session(session_id, who))
+
+    def _end_session(self, session: SessionRow) -> None:
+        """The session's runs and samplers leave memory and disk (checkpoints stay)."""
+        self.store.finish_session(session.id)
+        for row in self.store.session_samplers(session.id):
+            self.residency.drop_sampler(row)
+        for run in self.store.session_runs(session.id):
+            with self._seq_lock:
+                seq = self.sequencers.pop(run.id, None)
+            if seq is not None:
+                seq.close()
+            self.residency.drop_run(run.id, run.base)
+            if run.status in ("live", "offloaded"):
+                self.store.update_run(run.id, status="closed")
+
+    def get_session(self, who: Principal, session_id: str) -> dict[str, Any]:
+        session = self.store.session(session_id, who)
+        return {"training_run_ids": [r.id for r in self.store.session_runs(session.id)],
+                "sampler_ids": [s.id for s in self.store.session_samplers(session.id)],
+                "user_metadata": {k: str(v) for k, v in session.user_metadata.items()},
+                "display_name": session.display_name}
+
+    def list_sessions(self, who: Principal, offset: int, limit: int) -> dict[str, Any]:
+        rows, _ = self.store.sessions(who, offset, limit)
+        return {"sessions": [r.id for r in rows]}
+
+    # -- background --------------------------------------------------------------------------
+
+    def _sweep_loop(self) -> None:
+        while not self._stop.wait(min(30.0, self.bounds.session_timeout_s / 4)):
+            try:
+                self.sweep(time.time())
+            except Exception:
+                log.exception("tinker sweep failed")
+
+    def sweep(self, now: float) -> None:
+        """End sessions idle past the timeout; delete expired checkpoints."""
+        for sid in self.store.idle_sessions(now - self.bounds.session_timeout_s):
+            session = self.store.session_any(sid)
+            if session is not None:
+                log.info("session expired", extra={"session": sid})
+                self._end_session(session)
+        for ckpt in self.store.expired_checkpoints(now):
+            self._delete_checkpoint_files(ckpt)
+            self.store.remove_checkpoint(ckpt)
+
+    def close(self) -> None:
+        """Shutdown: offload every run (a restart continues them), stop the workers."""
+        self._stop.set()
+        self.residency.offload_all()
+        self.futures.close()
+        self.store.close()
 
     # -- training runs ----------------------------------------------------------------------
 
-    def _sequencer(self, model_id: Any) -> Sequencer:
-        seq = self.sequencers.get(model_id) if isinstance(model_id, str) else None
-        if seq is None:
-            raise InvalidInput("model_id", f"no training run {model_id!r} on this server")
-        return seq
+    def _next_seq(self, run_id: str) -> int:
+        with self._seq_lock:
+            seq = self.sequencers.get(run_id)
+        return seq.next_seq if seq is not None else 1
 
-    def _new_run(self, body: dict[str, Any], job: Callable[[str], Reply]) -> dict[str, Any]:
-        session_id, seq = body.get("session_id"), body.get("model_seq_id")
-        if not isinstance(session_id, str) or type(seq) is not int:
-            raise InvalidInput("session_id", "session_id (string) and model_seq_id (integer) are required")
-        model_id = f"{session_id}:train:{seq}"
-        existing = self.sequencers.get(model_id)
-        if existing is not None and existing.seen.get(0) is not None:
-            return {"request_id": existing.seen[0], "model_id": model_id}  # a retried create
-        sequencer = Sequencer(self.futures, self.gap_timeout_s)
-        self.sequencers[model_id] = sequencer
-        self.created[model_id] = time.time()
-        rid = sequencer.submit(None, guarded(lambda: job(model_id)))
-        sequencer.seen[0] = rid
-        return {"request_id": rid, "model_id": model_id}
+    def _sequencer(self, row: RunRow) -> Sequencer:
+        with self._seq_lock:
+            seq = self.sequencers.get(row.id)
+            if seq is None:
+                seq = Sequencer(self.futures, row.owner, self.bounds.gap_timeout_s, first_seq=row.next_seq)
+                self.sequencers[row.id] = seq
+            return seq
 
-    def create_model(self, body: dict[str, Any]) -> dict[str, Any]:
-        def job(model_id: str) -> Reply:
-            self.check_base_model(body.get("base_model"))
-            lora = body.get("lora_config") or {}
-            optimizer = (body.get("optimizer_config") or {"type": "adamw"}).get("type")
-            if optimizer != "adamw":
-                raise InvalidInput("optimizer_config.type", f"floe trains with adamw only, got {optimizer!r}")
-            unknown = sorted(set(lora) - {"rank", "seed", "train_unembed", "train_mlp", "train_attn"})
-            if unknown:
-                raise InvalidInput(f"lora_config.{unknown[0]}", "unknown key")
-            if self.runs.full_finetune:
-                self._check_full_finetune(lora)
-                self.runs.create_run(model_id, None, body.get("user_metadata"))
-                return json_reply({"type": "create_model", "model_id": model_id})
-            spec = LoraSpec(rank=lora.get("rank", 32), seed=lora.get("seed"), train_attn=lora.get("train_attn", True),
-                            train_mlp=lora.get("train_mlp", True), train_unembed=lora.get("train_unembed", True))
-            self.runs.create_run(model_id, spec, body.get("user_metadata"))
-            return json_reply({"type": "create_model", "model_id": model_id})
+    def _run(self, who: Principal, model_id: Any) -> RunRow:
+        row = self.store.run(model_id, who)
+        self.store.update_run(row.id, last_request=time.time())
+        return row
 
-        return self._new_run(body, job)
+    def _new_run(self, who: Principal, session_id: str, model_seq_id: int, base_model: str, digest: bytes,
+                 lora: dict[str, Any] | None, user_metadata: dict[str, Any], job: Callable[[RunRow], Reply]) -> dict[str, Any]:
+        """Register run `<session>:train:<seq>` (owned by `who`) and run `job` as its seq 0."""
+        session = self._open_session(who, session_id)
+        model_id = check_name(f"{session.id}:train:{model_seq_id}", "model_seq_id")
+        existing = self.store.run_any(model_id)
+        if existing is not None:  # a retried create: the first request's id (409 for other data)
+            with self._seq_lock:
+                seq = self.sequencers.get(model_id)
+            if seq is None or 0 not in seq.seen:
+                raise StateError(f"training run {model_id!r} exists already; a new run needs a new model_seq_id")
+            return {"request_id": seq.submit(0, self.guarded(lambda: json_reply({})), digest), "model_id": model_id}
+        key = self.base_key(base_model)
+        now = time.time()
+        row = RunRow(model_id, who.id, session.id, base_model, key, lora, dict(user_metadata), now, now, "creating", 1, 0)
+        self.store.add_run(row)
+        sequencer = self._sequencer(row)
+
+        def create() -> Reply:
+            try:
+                return job(row)
+            except BaseException:
+                self.store.update_run(model_id, status="closed")  # the run never started
+                raise
+
+        return {"request_id": sequencer.submit(0, self.guarded(create), digest), "model_id": model_id}
+
+    def create_model(self, who: Principal, req: requests.CreateModel, digest: bytes) -> dict[str, Any]:
+        if req.optimizer_config.type != "adamw":
+            raise InvalidInput("optimizer_config.type", f"floe trains with adamw only, got {req.optimizer_config.type!r}")
+        lora = req.lora_config or requests.LoraConfig(rank=32, seed=None)
+        if self.full_finetune:
+            for key in ("train_attn", "train_mlp", "train_unembed"):
+                if getattr(lora, key) is not True:
+                    raise InvalidInput(f"lora_config.{key}", "this server trains full fine-tune runs ([server] "
+                                       "tinker_full_finetune = true), which train every weight; leave it true")
+            spec = None
+        else:
+            spec = LoraSpec(rank=lora.rank, seed=lora.seed, train_attn=lora.train_attn, train_mlp=lora.train_mlp,
+                            train_unembed=lora.train_unembed)
+            spec.check()
+
+        def job(row: RunRow) -> Reply:
+            manager = self.residency.manager(row.base)
+            manager.create_run(row.id, spec, row.user_metadata)
+            self.residency.added_run(row.id, row.base)
+            return json_reply({"type": "create_model", "model_id": row.id})
+
+        return self._new_run(who, req.session_id, req.model_seq_id, req.base_model, digest,
+                             None if spec is None else spec.to_json(), req.user_metadata or {}, job)
 
     @staticmethod
-    def _check_full_finetune(lora: dict[str, Any]) -> None:
-        """The SDK always sends a lora_config; under `tinker_full_finetune` its rank and seed do
-        not apply (every weight trains, none is initialised), and switching a module family off
-        is refused (a full run trains them all)."""
-        for key in ("train_attn", "train_mlp", "train_unembed"):
-            if lora.get(key, True) is not True:
-                raise InvalidInput(f"lora_config.{key}", "this server trains full fine-tune runs ([server] "
-                                   "tinker_full_finetune = true), which train every weight; leave it true")
-
-    @staticmethod
-    def _lora_fields(run: Run) -> dict[str, Any]:
+    def _lora_fields(row: RunRow) -> dict[str, Any]:
         """is_lora / lora_rank of a run as the SDK's responses carry them."""
-        return {"is_lora": False} if run.spec is None else {"is_lora": True, "lora_rank": run.spec.rank}
+        return {"is_lora": False} if row.lora is None else {"is_lora": True, "lora_rank": int(row.lora["rank"])}
 
-    def get_info(self, model_id: Any) -> dict[str, Any] | None:
-        run = self.runs.runs.get(model_id) if isinstance(model_id, str) else None
-        if run is None:
-            return None
+    def get_info(self, who: Principal, model_id: str) -> dict[str, Any]:
+        row = self.store.run(model_id, who)
         return {
-            "type": "get_info", "model_id": model_id, **self._lora_fields(run),
-            "model_name": self.base_model, "optimizer_config": {"type": "adamw"},
-            "model_data": {"model_name": self.base_model, "tokenizer_id": self.tokenizer_id, "arch": "causal_lm"},
+            "type": "get_info", "model_id": row.id, **self._lora_fields(row),
+            "model_name": row.base_model, "optimizer_config": {"type": "adamw"},
+            "model_data": {"model_name": row.base_model, "tokenizer_id": self.tokenizer_ids[row.base], "arch": "causal_lm"},
         }
 
-    def forward_backward(self, body: bytes) -> dict[str, Any]:
+    def forward_backward(self, who: Principal, body: bytes) -> dict[str, Any]:
         request = schema.ForwardBackwardRequest()
         try:
             request.ParseFromString(body)
         except Exception as exc:  # noqa: BLE001 - any decode failure is the client's bad body
-            raise InvalidInput("body", f"not a ForwardBackwardRequest protobuf: {exc}") from None
-        sequencer = self._sequencer(request.model_id)
-        model_id, forward_only = request.model_id, request.forward_only
+            raise InvalidInput("body", f"not a ForwardBackwardRequest protobuf: {type(exc).__name__}") from None
+        row = self._run(who, request.model_id)
+        forward_only = request.forward_only
 
         def job() -> Reply:
             call = convert.forward_request_to_floe(request)
-            if forward_only:
-                logprobs, loss = self._forward_loss(model_id, call)
-                metrics = {"loss:sum": loss}
-            else:
-                result = self.runs.forward_backward(model_id, call.batch, call.loss, call.loss_config)
-                logprobs = [g[0] for g in result.logprobs]
-                metrics = {"loss:sum": result.metrics["loss"]}
+            with self.residency.run(row) as manager:
+                if forward_only:
+                    logprobs, loss = self._forward_loss(manager, row.id, call)
+                    metrics = {"loss:sum": loss}
+                else:
+                    result = manager.forward_backward(row.id, call.batch, call.loss, call.loss_config)
+                    logprobs = [g[0] for g in result.logprobs]
+                    metrics = {"loss:sum": result.metrics["loss"]}
             return Reply(200, convert.forward_output(logprobs, metrics), PROTO)
 
-        rid = sequencer.submit(request.seq_id or None, guarded(job))
-        return {"request_id": rid, "model_id": model_id}
+        rid = self._sequencer(row).submit(request.seq_id or None, self.guarded(job), _digest(body))
+        return {"request_id": rid, "model_id": row.id}
 
-    def _forward_loss(self, model_id: str, call: convert.FloeCall) -> tuple[list[list[float]], float]:
+    @staticmethod
+    def _forward_loss(manager: RunManager, model_id: str, call: convert.FloeCall) -> tuple[list[list[float]], float]:
         """Log-probs and the summed loss without gradients (floe's loss on the scored values)."""
         import torch  # noqa: PLC0415 - only forward-only requests need it here
 
-        result = self.runs.forward(model_id, call.batch)
+        result = manager.forward(model_id, call.batch)
         logprobs = [g[0] for g in result.logprobs]
         spec = resolve_loss(call.loss, call.loss_config)
         samples = [g.samples[0] for g in call.batch.groups]
@@ -271,164 +351,306 @@ class TinkerService:
         loss, _ = compute_loss(spec, inputs)
         return logprobs, float(loss)
 
-    def optim_step(self, body: dict[str, Any]) -> dict[str, Any]:
-        sequencer = self._sequencer(body.get("model_id"))
-        model_id = body["model_id"]
-        raw = body.get("adam_params")
+    def optim_step(self, who: Principal, req: requests.OptimStep, digest: bytes) -> dict[str, Any]:
+        row = self._run(who, req.model_id)
+        adam = req.adam()
+        step = AdamStep(**adam.model_dump(exclude={"type"}))
+        step.to_config()  # out-of-range values refused now, before the request is queued
 
         def job() -> Reply:
-            if raw is None:
-                raise InvalidInput("adam_params", "floe trains with AdamW: send adam_params (AdamParams)")
-            unknown = sorted(set(raw) - {"learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm", "type"})
-            if unknown:
-                raise InvalidInput(f"adam_params.{unknown[0]}", "unknown key")
-            step = AdamStep(**{k: float(v) for k, v in raw.items() if k != "type"})
-            result = self.runs.optim_step(model_id, step)
+            with self.residency.run(row) as manager:
+                result = manager.optim_step(row.id, step)
+            self.store.update_run(row.id, version=result.step)
             return json_reply({"type": "optim_step", "metrics": {
                 "grad_norm:mean": result.grad_norm, "learning_rate:mean": result.lr, "step:max": float(result.step),
             }})
 
-        return {"request_id": sequencer.submit(body.get("seq_id"), guarded(job)), "model_id": model_id}
+        return {"request_id": self._sequencer(row).submit(req.seq_id, self.guarded(job), digest), "model_id": row.id}
 
-    def save_weights(self, body: dict[str, Any]) -> dict[str, Any]:
-        sequencer = self._sequencer(body.get("model_id"))
-        model_id = body["model_id"]
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def _checkpoint_target(self, row: RunRow, kind: str, name: str, overwrite: bool) -> Path:
+        check_name(name, "path")
+        existing = self.store.find_checkpoint(row.id, kind, name)
+        if existing is not None and not overwrite:
+            raise InvalidInput("path", f"a checkpoint tinker://{row.id}/{kind}/{name} exists; save under another "
+                               "name or with overwrite=True")
+        return self.layout.checkpoint(row.id, kind, name)
+
+    def _record(self, row: RunRow, kind: str, name: str, directory: Path, ttl: int | None,
+                user_metadata: dict[str, str] | None, version: int) -> Checkpoint:
+        now = time.time()
+        size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+        ckpt = Checkpoint(row.id, kind, name, row.owner, row.base_model, row.base, now, size,
+                          None if ttl is None else now + ttl, False, dict(user_metadata or {}),
+                          {"lora": row.lora, "version": version})
+        self.store.put_checkpoint(ckpt)
+        return ckpt
+
+    def save_weights(self, who: Principal, req: requests.SaveWeights, digest: bytes) -> dict[str, Any]:
+        row = self._run(who, req.model_id)
+        if req.path is None:
+            raise InvalidInput("path", "give the checkpoint a name (save_state(name))")
+        check_name(req.path, "path")
 
         def job() -> Reply:
-            name = body.get("path") or f"step_{self.runs._run(model_id).version:06d}"
-            path, directory = self._path(model_id, "weights", name)
-            if body.get("path") and body.get("overwrite") is not True and read_meta(directory) is not None:
-                raise InvalidInput("path", f"a checkpoint {path} exists; save under another name or with overwrite=True")
-            self.runs.save_state(model_id, directory)
-            return json_reply({"type": "save_weights", "path": path})
+            directory = self._checkpoint_target(row, "weights", req.path, req.overwrite)  # type: ignore[arg-type]
+            with self.residency.run(row) as manager:
+                manager.save_state(row.id, directory)
+                version = manager.runs[row.id].version
+            ckpt = self._record(row, "weights", req.path, directory, req.ttl_seconds, req.user_metadata, version)  # type: ignore[arg-type]
+            return json_reply({"type": "save_weights", "path": ckpt.path})
 
-        return {"request_id": sequencer.submit(body.get("seq_id"), guarded(job)), "model_id": model_id}
+        return {"request_id": self._sequencer(row).submit(req.seq_id, self.guarded(job), digest), "model_id": row.id}
 
-    def save_weights_for_sampler(self, body: dict[str, Any]) -> dict[str, Any]:
-        sequencer = self._sequencer(body.get("model_id"))
-        model_id = body["model_id"]
-        session_id = model_id.split(":train:")[0]
+    def save_weights_external(self, who: Principal, req: requests.SaveWeightsExternal, digest: bytes) -> dict[str, Any]:
+        row = self._run(who, req.model_id)
+        check_name(req.path, "path")
+        if req.age_encryption_recipients:
+            raise InvalidInput("age_encryption_recipients", "floe does not encrypt exports; the files stay on this server "
+                               "and download over your own connection")
 
         def job() -> Reply:
-            name, seq = body.get("path"), body.get("sampling_session_seq_id")
-            if name:
-                path, directory = self._path(model_id, "sampler_weights", name)
-                version = self.runs.save_sampler_weights(model_id, directory)
-                return json_reply({"type": "save_weights_for_sampler", "path": path, "weights_version": version},
+            directory = self._checkpoint_target(row, "external_weights", req.path, overwrite=False)
+            with self.residency.run(row) as manager:
+                version = manager.save_sampler_weights(row.id, directory)
+            ckpt = self._record(row, "external_weights", req.path, directory, req.ttl_seconds, None, version)
+            return json_reply({"type": "save_weights_external", "path": ckpt.path, "size_bytes": ckpt.size_bytes})
+
+        return {"request_id": self._sequencer(row).submit(req.seq_id, self.guarded(job), digest), "model_id": row.id}
+
+    def save_weights_for_sampler(self, who: Principal, req: requests.SaveWeightsForSampler, digest: bytes) -> dict[str, Any]:
+        row = self._run(who, req.model_id)
+        if req.path is not None:
+            check_name(req.path, "path")
+        elif req.sampling_session_seq_id is None:
+            raise InvalidInput("path", "give a name (path) or a sampling_session_seq_id")
+
+        def job() -> Reply:
+            if req.path is not None:
+                directory = self._checkpoint_target(row, "sampler_weights", req.path, overwrite=True)
+                with self.residency.run(row) as manager:
+                    version = manager.save_sampler_weights(row.id, directory)
+                ckpt = self._record(row, "sampler_weights", req.path, directory, req.ttl_seconds, req.user_metadata, version)
+                return json_reply({"type": "save_weights_for_sampler", "path": ckpt.path, "weights_version": version},
                                   {VERSION_HEADER: str(version)})
-            if type(seq) is not int:
-                raise InvalidInput("path", "give a name (path) or a sampling_session_seq_id")
-            info = self.runs.snapshot(model_id)
-            sid = f"{session_id}:sample:{seq}"
-            self.samplers[sid] = Sampler(sid, info, None)
+            sid = check_name(f"{row.session_id}:sample:{req.sampling_session_seq_id}", "sampling_session_seq_id")
+            with self.residency.run(row) as manager:
+                info = manager.snapshot(row.id)
+            sampler = SamplerRow(sid, row.owner, row.session_id, row.base_model, row.base, row.id, None, info.version,
+                                 req.kind, time.time())
+            self.store.add_sampler(sampler)
+            self.residency.added_snapshot(sampler, info)
             return json_reply({"type": "save_weights_for_sampler", "path": None, "sampling_session_id": sid,
                                "weights_version": info.version}, {VERSION_HEADER: str(info.version)})
 
-        return {"request_id": sequencer.submit(body.get("seq_id"), guarded(job)), "model_id": model_id}
+        return {"request_id": self._sequencer(row).submit(req.seq_id, self.guarded(job), digest), "model_id": row.id}
 
-    def load_weights(self, body: dict[str, Any]) -> dict[str, Any]:
-        with_optimizer = bool(body.get("optimizer", False))
-        if body.get("model_id") is None:  # create-via-load
-            def create(model_id: str) -> Reply:
-                if body.get("base_model") is not None:
-                    self.check_base_model(body["base_model"])
-                _, _, directory = self.checkpoint_dir(body.get("path"), "weights")
-                self.runs.load_state(model_id, directory, with_optimizer)
-                return json_reply({"type": "load_weights", "path": body.get("path"), "model_id": model_id})
+    def load_weights(self, who: Principal, req: requests.LoadWeights, digest: bytes) -> dict[str, Any]:
+        if req.weights_access_token is not None:
+            raise InvalidInput("weights_access_token", "floe has no cross-key access tokens: the checkpoint's owner "
+                               "publishes it (tinker checkpoint publish), then any key may load it")
+        if req.optimizer_config is not None and req.optimizer_config.type != "adamw":
+            raise InvalidInput("optimizer_config.type", f"floe trains with adamw only, got {req.optimizer_config.type!r}")
+        ckpt = self.store.checkpoint(req.path, who, kinds=("weights",))
+        directory = self.layout.checkpoint(ckpt.run_id, ckpt.kind, ckpt.name)
+        if req.model_id is None:  # create-via-load
+            if req.session_id is None or req.model_seq_id is None:
+                raise InvalidInput("session_id", "give model_id, or session_id and model_seq_id (a new run)")
+            base_model = req.base_model if req.base_model is not None else ckpt.base_model
+            if self.base_key(base_model) != ckpt.base:
+                raise InvalidInput("base_model", f"the checkpoint was trained on {ckpt.base_model!r}, not {base_model!r}")
+            meta = (read_meta(directory) or {}).get("run") or {}
 
-            return self._new_run(body, create)
-        sequencer = self._sequencer(body.get("model_id"))
-        model_id = body["model_id"]
+            def create(row: RunRow) -> Reply:
+                manager = self.residency.manager(row.base)
+                run = manager.load_state(row.id, directory, req.optimizer)
+                self.residency.added_run(row.id, row.base)
+                self.store.update_run(row.id, version=run.version)
+                return json_reply({"type": "load_weights", "path": req.path, "model_id": row.id})
+
+            return self._new_run(who, req.session_id, req.model_seq_id, base_model, digest, meta.get("lora"),
+                                 req.user_metadata if req.user_metadata is not None else meta.get("user_metadata") or {},
+                                 create)
+        row = self._run(who, req.model_id)
+        if ckpt.base != row.base:
+            raise InvalidInput("path", f"the checkpoint was trained on {ckpt.base_model!r}; this run is on {row.base_model!r}")
 
         def job() -> Reply:
-            _, _, directory = self.checkpoint_dir(body.get("path"), "weights")
-            self.runs.reload(model_id, directory, with_optimizer)
-            return json_reply({"type": "load_weights", "path": body.get("path"), "model_id": model_id})
+            with self.residency.run(row) as manager:
+                run = manager.reload(row.id, directory, req.optimizer)
+            self.store.update_run(row.id, version=run.version)
+            return json_reply({"type": "load_weights", "path": req.path, "model_id": row.id})
 
-        return {"request_id": sequencer.submit(body.get("seq_id"), guarded(job)), "model_id": model_id}
+        return {"request_id": self._sequencer(row).submit(req.seq_id, self.guarded(job), digest), "model_id": row.id}
 
     # -- sampling ---------------------------------------------------------------------------
 
-    def create_sampling_session(self, body: dict[str, Any]) -> dict[str, Any]:
-        session_id, seq = body.get("session_id"), body.get("sampling_session_seq_id")
-        if not isinstance(session_id, str) or type(seq) is not int:
-            raise InvalidInput("session_id", "session_id (string) and sampling_session_seq_id (integer) are required")
-        sid = f"{session_id}:sample:{seq}"
-        model_path = body.get("model_path")
-        if model_path is not None:
-            _, kind, directory = self.checkpoint_dir(model_path, field_name="model_path")
-            if kind == "weights":
+    def create_sampling_session(self, who: Principal, req: requests.CreateSamplingSession) -> dict[str, Any]:
+        session = self._open_session(who, req.session_id)
+        sid = check_name(f"{session.id}:sample:{req.sampling_session_seq_id}", "sampling_session_seq_id")
+        if req.model_path is not None:
+            ckpt = self.store.checkpoint(req.model_path, who, field="model_path")
+            if ckpt.kind == "weights":
                 raise InvalidInput("model_path", "sample from sampler weights (save_weights_for_sampler), not a training state")
-            info = self.runs.load_sampler(directory)
+            row = SamplerRow(sid, who.id, session.id, ckpt.base_model, ckpt.base, None, ckpt.path,
+                             int(ckpt.info.get("version", 0)), "checkpoint", time.time())
         else:
-            self.check_base_model(body.get("base_model"))
-            info = self.runs.base_sampler()
-        self.samplers[sid] = Sampler(sid, info, model_path)
+            key = self.base_key(req.base_model)
+            row = SamplerRow(sid, who.id, session.id, req.base_model, key, None, None, 0, "base", time.time())  # type: ignore[arg-type]
+        self.store.add_sampler(row)
+        try:
+            with self.residency.sampler(row):  # loads now, so a checkpoint that does not load fails here
+                pass
+        except BaseException:
+            self.store.remove_sampler(sid)
+            raise
         return {"type": "create_sampling_session", "sampling_session_id": sid}
 
-    def get_sampler(self, sampler_id: str) -> dict[str, Any] | None:
-        sampler = self.samplers.get(sampler_id)
-        if sampler is None:
-            return None
-        out: dict[str, Any] = {"sampler_id": sampler_id, "base_model": self.base_model}
-        if sampler.model_path:
-            out["model_path"] = sampler.model_path
+    def get_sampler(self, who: Principal, sampler_id: str) -> dict[str, Any]:
+        row = self.store.sampler(sampler_id, who, field="sampler_id")
+        out: dict[str, Any] = {"sampler_id": row.id, "base_model": row.base_model}
+        if row.model_path:
+            out["model_path"] = row.model_path
         return out
 
-    def asample(self, body: dict[str, Any]) -> dict[str, Any]:
-        sid = body.get("sampling_session_id")
+    def _sampler(self, who: Principal, sampler_id: Any) -> SamplerRow:
+        row = self.store.sampler(sampler_id, who)
+        self._open_session(who, row.session_id)
+        return row
+
+    def asample(self, who: Principal, body: dict[str, Any]) -> dict[str, Any]:
         num = body.get("num_samples", 1)
-        if type(num) is not int or num < 1:
-            raise InvalidInput("num_samples", f"must be an integer >= 1, got {num!r}")
-        rid = self.futures.new()
+        if type(num) is not int or not 1 <= num <= self.bounds.samples_per_request:
+            raise InvalidInput("num_samples", f"must be an integer in [1, {self.bounds.samples_per_request}] ([server] "
+                               f"tinker_max_samples_per_request), got {str(num)[:40]}")
+        row = self._sampler(who, body.get("sampling_session_id"))
+        manager = self.bases[row.base]
+        prompt = _prompt_tokens(body.get("prompt"))
+        params = convert.sampling_params(body.get("sampling_params") or {}, len(prompt), manager.max_context)
+        if num * params.max_tokens > self.bounds.sampled_tokens_per_request:
+            raise InvalidInput("num_samples", f"num_samples x max_tokens = {num * params.max_tokens} exceeds "
+                               f"{self.bounds.sampled_tokens_per_request} ([server] tinker_max_sampled_tokens_per_request)")
+        for key in ("prompt_alt_tokens_k", "topk_prompt_logprobs", "target_prompt_logprobs", "record_stability_info"):
+            if body.get(key):
+                raise InvalidInput(key, "not supported by floe yet")
+        topk = body.get("topk_sample_logprobs") or 0
+        if topk:
+            params = replace(params, top_logprobs=topk)
+        rid = self.futures.new(who.id)
 
         def job() -> Reply:
-            sampler = self.samplers.get(sid)  # type: ignore[arg-type]
-            if sampler is None:
-                raise InvalidInput("sampling_session_id", f"no sampling session {sid!r} on this server")
-            for key in ("prompt_alt_tokens_k", "topk_prompt_logprobs"):
-                if body.get(key):
-                    raise InvalidInput(key, "not supported by floe yet")
-            for key in ("target_prompt_logprobs", "record_stability_info"):
-                if body.get(key):
-                    raise InvalidInput(key, "not supported by floe yet")
-            prompt = [t for chunk in (body.get("prompt") or {}).get("chunks", []) for t in _chunk_tokens(chunk)]
-            params = convert.sampling_params(body.get("sampling_params") or {}, len(prompt), self.runs.max_context)
-            topk = body.get("topk_sample_logprobs") or 0
-            if topk:
-                params = dataclasses.replace(params, top_logprobs=topk)
-            group = self.runs.sample(sampler.info, prompt, num, params)
-            prompt_lp = None
-            if body.get("prompt_logprobs"):
-                values = [float("nan")] + self.runs.prompt_logprobs(sampler.info, prompt)
-                last_n = body.get("prompt_logprobs_last_n")
-                if last_n is not None:
-                    values = [float("nan")] * (len(values) - last_n) + values[len(values) - last_n:]
-                prompt_lp = values
-            return Reply(200, convert.sample_output(group, prompt_lp, topk), PROTO,
-                         {VERSION_HEADER: str(sampler.info.version)})
+            with self.residency.sampler(row) as (held, info):
+                group = held.sample(info, prompt, num, params)
+                prompt_lp = None
+                if body.get("prompt_logprobs"):
+                    values = [float("nan")] + held.prompt_logprobs(info, prompt)
+                    last_n = body.get("prompt_logprobs_last_n")
+                    if last_n is not None:
+                        values = [float("nan")] * (len(values) - last_n) + values[len(values) - last_n:]
+                    prompt_lp = values
+            return Reply(200, convert.sample_output(group, prompt_lp, topk), PROTO, {VERSION_HEADER: str(info.version)})
 
-        self.futures.run(rid, guarded(job))
+        self.futures.run(rid, self.guarded(job))
         return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(num)]}
 
     # -- runs and checkpoints (REST) ----------------------------------------------------------
 
-    def training_run(self, run_id: str) -> dict[str, Any] | None:
-        run = self.runs.runs.get(run_id)
-        if run is None:
-            return None
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created.get(run_id, time.time())))
-        meta = {k: str(v) for k, v in run.user_metadata.items()}
-        return {"training_run_id": run_id, "base_model": self.base_model, "model_owner": "local",
-                **self._lora_fields(run), "last_request_time": stamp, "user_metadata": meta}
+    def _checkpoint_json(self, ckpt: Checkpoint) -> dict[str, Any]:
+        stamp = lambda t: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+        return {"checkpoint_id": f"{ckpt.kind}/{ckpt.name}", "checkpoint_type": _KIND_TYPES[ckpt.kind],
+                "time": stamp(ckpt.created), "tinker_path": ckpt.path, "size_bytes": ckpt.size_bytes,
+                "public": ckpt.public, "user_metadata": ckpt.user_metadata or None,
+                "expires_at": None if ckpt.expires is None else stamp(ckpt.expires)}
 
-    def delete_checkpoint(self, run_id: str, checkpoint_id: str) -> bool:
+    def training_run(self, who: Principal, run_id: str) -> dict[str, Any]:
+        row = self.store.run(run_id, who, field="run_id")
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(row.last_request))
+        last: dict[str, Any] = {}
+        for kind, key in (("weights", "last_checkpoint"), ("sampler_weights", "last_sampler_checkpoint")):
+            found = [c for c in self.store.checkpoints(who, row.id, 0, 1000)[0] if c.kind == kind]
+            last[key] = self._checkpoint_json(found[0]) if found else None
+        meta = {k: str(v) for k, v in row.user_metadata.items()}
+        return {"training_run_id": row.id, "base_model": row.base_model, "model_owner": row.owner,
+                **self._lora_fields(row), "corrupted": row.status == "lost", "last_request_time": stamp,
+                **last, "user_metadata": meta}
+
+    def training_runs(self, who: Principal, offset: int, limit: int) -> dict[str, Any]:
+        rows, total = self.store.runs(who, offset, limit)
+        return {"training_runs": [self.training_run(who, r.id) for r in rows],
+                "cursor": {"offset": offset, "limit": limit, "total_count": total}}
+
+    def checkpoints(self, who: Principal, run_id: str | None, offset: int, limit: int) -> dict[str, Any]:
+        if run_id is not None:
+            self.store.run(run_id, who, field="run_id")
+        rows, total = self.store.checkpoints(who, run_id, offset, limit)
+        return {"checkpoints": [self._checkpoint_json(c) for c in rows],
+                "cursor": {"offset": offset, "limit": limit, "total_count": total}}
+
+    def weights_info(self, who: Principal, path: str) -> dict[str, Any]:
+        ckpt = self.store.checkpoint(path, who, field="tinker_path")
+        lora = ckpt.info.get("lora")
+        out: dict[str, Any] = {"base_model": ckpt.base_model, "optimizer_config": {"type": "adamw"},
+                               "is_lora": lora is not None}
+        if lora is not None:
+            out.update(lora_rank=int(lora["rank"]), train_unembed=bool(lora.get("train_unembed", True)),
+                       train_mlp=bool(lora.get("train_mlp", True)), train_attn=bool(lora.get("train_attn", True)))
+        return out
+
+    def _owned_checkpoint(self, who: Principal, run_id: str, checkpoint_id: str) -> Checkpoint:
         kind, _, name = checkpoint_id.partition("/")
-        _, _, directory = self.checkpoint_dir(f"tinker://{run_id}/{kind}/{name}", field_name="checkpoint_id")
-        if not directory.exists():
-            return False
-        delete_state_dir(directory)
-        return True
+        return self.store.checkpoint(f"tinker://{run_id}/{kind}/{name}", who, field="checkpoint_id", change=True)
+
+    def _delete_checkpoint_files(self, ckpt: Checkpoint) -> None:
+        directory = self.layout.checkpoint(ckpt.run_id, ckpt.kind, ckpt.name)
+        if directory.exists():
+            aside = directory.parent / f".{directory.name}.deleted-{uuid.uuid4().hex[:8]}"
+            directory.rename(aside)
+            shutil.rmtree(aside, ignore_errors=True)
+
+    def delete_checkpoint(self, who: Principal, run_id: str, checkpoint_id: str) -> None:
+        ckpt = self._owned_checkpoint(who, run_id, checkpoint_id)
+        self._delete_checkpoint_files(ckpt)
+        self.store.remove_checkpoint(ckpt)
+
+    def publish(self, who: Principal, run_id: str, checkpoint_id: str, public: bool) -> None:
+        ckpt = self._owned_checkpoint(who, run_id, checkpoint_id)
+        if ckpt.kind == "external_weights":
+            raise InvalidInput("checkpoint_id", "external weights are downloads, not checkpoints to share; publish the "
+                               "training or sampler checkpoint")
+        self.store.update_checkpoint(ckpt, public=public)
+
+    def set_ttl(self, who: Principal, run_id: str, checkpoint_id: str, ttl: int | None) -> None:
+        ckpt = self._owned_checkpoint(who, run_id, checkpoint_id)
+        self.store.update_checkpoint(ckpt, expires=None if ttl is None else time.time() + ttl)
+
+    def checkpoint_files(self, who: Principal, run_id: str, checkpoint_id: str) -> tuple[Checkpoint, list[str]]:
+        """An external-weights checkpoint of `who` and its files (paths relative to its root)."""
+        kind, _, name = checkpoint_id.partition("/")
+        ckpt = self.store.checkpoint(f"tinker://{run_id}/{kind}/{name}", who, field="checkpoint_id",
+                                     kinds=("external_weights",))
+        directory = self.layout.checkpoint(ckpt.run_id, ckpt.kind, ckpt.name)
+        return ckpt, sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
+
+
+_KIND_TYPES = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
+
+
+def requests_path(model_path: str) -> tuple[str, str, str]:
+    from floe.server.protocols.tinker.store import parse_tinker_path  # noqa: PLC0415
+
+    return parse_tinker_path(model_path, "model_path")
+
+
+def _digest(body: bytes) -> bytes:
+    return hashlib.sha256(body).digest()
+
+
+def _prompt_tokens(prompt: Any) -> list[int]:
+    chunks = prompt.get("chunks") if isinstance(prompt, dict) else None
+    if not isinstance(chunks, list):
+        raise InvalidInput("prompt", "must be a ModelInput: {\"chunks\": [{\"type\": \"encoded_text\", \"tokens\": [...]}]}")
+    return [t for chunk in chunks for t in _chunk_tokens(chunk)]
 
 
 def _chunk_tokens(chunk: Any) -> list[int]:
