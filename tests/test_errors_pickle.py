@@ -22,6 +22,7 @@ OPTIONAL = ("floe.integrations.verl.plugin", "floe.integrations.skyrl.dispatch",
 EXAMPLES: dict[str, tuple] = {
     "FloeError": ("something failed",),
     "InvalidInput": ("batch.groups[0].prompt", "must not be empty"),
+    "NotFound": ("model_id", "no training run 'x' for this key"),
     "StateError": ("load_state: no saved state at /s/x",),
     "WireError": ("body.tokens", "is missing"),
     "RemoteError": (401, "unauthorized", "missing bearer token"),

@@ -90,5 +90,5 @@ def test_refuses_to_listen_beyond_loopback_without_token(server_model: Path, tmp
     config.write_text(f'model = "{server_model}"\n')
     env = {"PATH": "/usr/bin:/bin"}
     proc = subprocess.run([sys.executable, "-m", "floe.server", str(config), "--host", "0.0.0.0"], capture_output=True, text=True, env=env, timeout=60, check=False)
-    assert proc.returncode == 2 and "needs a bearer token" in proc.stderr
+    assert proc.returncode == 2 and "needs a credential" in proc.stderr
     assert TOKEN not in proc.stderr
