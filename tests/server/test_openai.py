@@ -11,8 +11,8 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from floe.server.protocols.openai import default_model_id
 from floe.server.protocols.openai_render import Answer, Renderer, render, stream
+from floe.server.state import default_model_id
 from floe.types import SampledGroup, SampledSequence, SampleResult
 
 from .conftest import ServerProcess

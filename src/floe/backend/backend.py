@@ -23,6 +23,7 @@ every later operation raises WorkerFailed at once, naming the original failure.
 
 from __future__ import annotations
 
+import errno
 import json
 import threading
 import time
@@ -78,6 +79,10 @@ def _check_version_type(version: Any) -> None:
     if version is not None and type(version) is not int:
         raise InvalidInput("version", f"must be an int (a weights version tag) or None, got {version!r}")
 
+
+# OSError numbers that mean "this path cannot hold an export" (answered as InvalidInput("path")).
+_BAD_PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG,
+                    errno.EROFS, errno.ENOENT, errno.ELOOP, errno.EINVAL}
 
 class Backend:
     """All zones of one model, wherever the placement put them, behind the operations of the client API."""
@@ -274,17 +279,22 @@ class Backend:
 
         The target must be new, empty, or an earlier floe export (it carries EXPORT_MARKER):
         an export never replaces a directory floe did not write."""
-        if not isinstance(path, str) or not path:
-            raise InvalidInput("path", "must be a non-empty directory path")
+        if not isinstance(path, str) or not path or "\x00" in path or len(path) > 4096:
+            raise InvalidInput("path", "must be a non-empty directory path (no NUL, at most 4096 characters)")
         target = Path(path)
-        if target.exists() and not (
-            target.is_dir() and (not any(target.iterdir()) or (target / EXPORT_MARKER).is_file())
-        ):
-            raise InvalidInput("path", f"{path} exists and is not an earlier floe export; choose a new or empty directory")
-        with self._op("train"), self._policy_lock, atomic_directory(target, replace=True) as tmp:
-            self.policy.export_hf(tmp)
-            self.tokenizer.save_pretrained(tmp)
-            (tmp / EXPORT_MARKER).write_text(json.dumps({"step": self.policy.step, "model": self.config.model}) + "\n")
+        try:
+            if target.exists() and not (
+                target.is_dir() and (not any(target.iterdir()) or (target / EXPORT_MARKER).is_file())
+            ):
+                raise InvalidInput("path", f"{path} exists and is not an earlier floe export; choose a new or empty directory")
+            with self._op("train"), self._policy_lock, atomic_directory(target, replace=True) as tmp:
+                self.policy.export_hf(tmp)
+                self.tokenizer.save_pretrained(tmp)
+                (tmp / EXPORT_MARKER).write_text(json.dumps({"step": self.policy.step, "model": self.config.model}) + "\n")
+        except OSError as exc:
+            if exc.errno in _BAD_PATH_ERRNOS:  # the path's fault, not the server's
+                raise InvalidInput("path", f"cannot write an export at {path}: {exc.strerror}") from None
+            raise
         return str(target)
 
     def info(self) -> Info:

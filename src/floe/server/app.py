@@ -44,61 +44,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from floe.backend import Backend
 from floe.errors import FloeError
-from floe.protocol import wire
 from floe.protocol.ops import OPS
 from floe.protocol.wire import CLIENT_HEADER, REPLAYED_HEADER, SEQ_HEADER
 from floe.server.edge import Edge
 from floe.server.errors import ApiError, to_api_error
-from floe.server.metrics import Metrics
-from floe.server.ordering import Ledger, Reply
+from floe.server.ordering import Reply
 from floe.server.protocols.openai import PREFIX as OPENAI_PREFIX
-from floe.server.protocols.openai import default_model_id, openai_error_response, openai_router
+from floe.server.protocols.openai import openai_error_response, openai_router
 from floe.server.protocols.tinker import tinker_router
 from floe.server.protocols.vllm_compat import install as install_vllm_compat
 from floe.server.settings import ServerConfig
+from floe.server.state import ServerState, error_response
 
 log = logging.getLogger("floe.server")
 
 _CLIENT_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
-
-
-class ServerState:
-    """What the routes share: the backend, settings, metrics, the ordering ledger."""
-
-    def __init__(self, backend: Backend, config: ServerConfig):
-        self.backend = backend
-        self.config = config
-        self.metrics = Metrics()
-        self.ledger = Ledger(config.result_window, config.max_clients, config.sequence_timeout_s)
-        self.draining = False
-        self.model_name = config.served_model_name or default_model_id(backend.config.model)
-        self.metrics.observe_state(backend.info())
-
-    def execute(self, op: str, body: bytes) -> Reply:
-        """Decode, run and encode one operation; every failure becomes an error reply."""
-        try:
-            kwargs = wire.decode_request(op, body)
-            method = getattr(self.backend, op, None)
-            if not callable(method):
-                raise ApiError(501, "not_implemented", f"the backend has no method {op!r} for this operation")
-            start = time.perf_counter()
-            result = method(**kwargs)
-            seconds = time.perf_counter() - start
-            self.metrics.observe_result(op, kwargs, result)
-            return Reply(200, wire.encode_result(op, result), wire.MEDIA_TYPE, seconds)
-        except Exception as exc:  # every failure is answered, none kills the server
-            error = to_api_error(exc)
-            if error.status >= 500:
-                log.exception("operation failed", extra={"op": op})
-            return error_reply(error)
-
-
-def error_response(error: ApiError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
-
-
-def error_reply(error: ApiError) -> Reply:
-    return Reply(error.status, error_response(error).body, "application/json")
 
 
 def create_app(backend: Backend, config: ServerConfig) -> FastAPI:
@@ -139,6 +99,9 @@ def create_app(backend: Backend, config: ServerConfig) -> FastAPI:
         field = ".".join(str(p) for p in first.get("loc", ())) or None
         return respond(request.url.path, ApiError(422, "invalid_input", str(first.get("msg", "invalid request")), field))
 
+    # Registered before `observe`, so `observe` (outside it) answers the pause gate's refusals.
+    install_vllm_compat(app, state)  # /inference/v1/generate, /pause, /resume, /update_weights (prime-rl)
+
     @app.middleware("http")
     async def observe(request: Request, call_next: Any) -> Response:
         start = time.perf_counter()
@@ -147,6 +110,8 @@ def create_app(backend: Backend, config: ServerConfig) -> FastAPI:
         else:
             try:
                 response = await call_next(request)
+            except ApiError as exc:  # a refusal of the middleware inside (the pause gate)
+                response = respond(request.url.path, exc)
             except Exception as exc:  # answered as a 500, logged
                 log.exception("unhandled error")
                 response = respond(request.url.path, to_api_error(exc))
@@ -211,7 +176,6 @@ def create_app(backend: Backend, config: ServerConfig) -> FastAPI:
     tinker = tinker_router(state)  # tenants kept apart by the Tinker service itself
     app.include_router(tinker)
     on_shutdown.append(tinker.tinker_service.close)  # type: ignore[attr-defined]
-    install_vllm_compat(app, state)  # /inference/v1/generate, /pause, /resume, /update_weights (prime-rl)
     # Outermost, so that nothing (the pause gate included) runs before a request is admitted.
     app.add_middleware(Edge, config=config, render=respond, observe=state.metrics.observe_request)
     return app

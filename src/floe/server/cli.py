@@ -37,6 +37,7 @@ import uvicorn
 from floe.config import BackendConfig, load_layers, parse_config, split_recipe_args
 from floe.errors import FloeError, InvalidInput
 from floe.server.auth import check_exposure
+from floe.server.connections import guarded_protocol
 from floe.server.settings import ServerConfig
 
 if TYPE_CHECKING:
@@ -209,7 +210,8 @@ def serve_main(argv: list[str]) -> int:
     app = create_app(backend, server_config)
     uv_config = uvicorn.Config(
         app, host=server_config.host, port=server_config.port, log_config=None, access_log=False,
-        timeout_graceful_shutdown=server_config.graceful_timeout_s,
+        timeout_graceful_shutdown=server_config.graceful_timeout_s,  # type: ignore[arg-type]
+        http=guarded_protocol(server_config.max_connections, server_config.header_timeout_s),
     )
     server = DrainingServer(uv_config, on_exit=lambda: setattr(app.state.floe, "draining", True))
     try:

@@ -23,6 +23,11 @@ class ServerConfig(StrictModel):
         default_factory=list,
         description="browser origins (scheme://host[:port]) allowed to send state-changing requests; others get 403",
     )
+    header_timeout_s: float = Field(30, gt=0, description="a connection must send a complete request head within "
+                                    "this time (of opening, or of its previous response); else it is closed")
+    max_connections: int = Field(256, ge=1, description="open connections; more are closed as they arrive")
+    pause_hold_s: float = Field(300, gt=0, description="how long a sampling request waits while sampling is paused "
+                                "(POST /pause), then 503")
     sequence_timeout_s: float = Field(30, gt=0, description="how long request k waits for k-1 (then 425)")
     result_window: int = Field(16, ge=1, description="results kept per client for retried requests")
     max_clients: int = Field(1024, ge=1, description="clients whose sequence state is kept (LRU)")

@@ -140,14 +140,21 @@ def publish(run_dir: Path, marker: BroadcastMarker) -> Path:
 
 def read_marker(weight_dir: Path, field: str = "weight_dir") -> BroadcastMarker:
     """The marker of a published broadcast directory; InvalidInput naming `field` otherwise."""
+    if "\x00" in str(weight_dir):
+        raise InvalidInput(field, "must be a directory path (no NUL)")
     path = Path(weight_dir) / MARKER
-    if not (Path(weight_dir) / STABLE).is_file():
-        raise InvalidInput(field, f"{weight_dir} is not a published broadcast (no {STABLE} file)")
     try:
+        if not (Path(weight_dir) / STABLE).is_file():
+            raise InvalidInput(field, f"{weight_dir} is not a published broadcast (no {STABLE} file)")
         data = json.loads(path.read_text())
-        return BroadcastMarker(**data)
     except FileNotFoundError:
         raise InvalidInput(field, f"{weight_dir} has no {MARKER}: floe serves the weights its trainer "
                            "synced (`floe prime-trainer`), not checkpoints from another trainer") from None
-    except (ValueError, TypeError) as e:
+    except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON
         raise InvalidInput(field, f"{path} is not a floe broadcast marker: {e}") from None
+    types = {"step": int, "weights_version": int, "policy_step": int, "model": str}
+    if not isinstance(data, dict) or set(data) != set(types) or any(
+            type(data[k]) is not t for k, t in types.items()):
+        raise InvalidInput(field, f"{path} is not a floe broadcast marker: expected an object with "
+                           f"{', '.join(f'{k} ({t.__name__})' for k, t in types.items())}")
+    return BroadcastMarker(**data)

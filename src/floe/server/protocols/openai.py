@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -34,12 +33,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from floe.backend.validation import MAX_TOP_LOGPROBS
 from floe.errors import InvalidInput
 from floe.server.batching import SampleBatcher
+from floe.server.bodies import parse_json_object
+from floe.server.connections import until_disconnected
 from floe.server.errors import ApiError
 from floe.server.protocols.openai_render import Answer, Renderer, render, stream
+from floe.server.state import ServerState
 from floe.types import SampleResult, SamplingParams
-
-if TYPE_CHECKING:
-    from floe.server.app import ServerState
 
 PREFIX = "/v1"
 DEFAULT_MAX_TOKENS = 16  # completions, as in OpenAI's and vLLM's; chat defaults to the remaining context
@@ -145,26 +144,12 @@ class ChatRequest(_SamplingFields):
 # -- requests -> sampling ----------------------------------------------------------------------
 
 
-def default_model_id(model: str) -> str:
-    """The id the endpoints serve when no `served_model_name` is set: a hub id as given, a
-    local directory by its name, a Hugging Face cache snapshot by its repo id."""
-    cached = re.search(r"models--([^/\\]+?)--([^/\\]+)[/\\]snapshots[/\\]", model)
-    if cached:
-        return f"{cached.group(1)}/{cached.group(2)}"
-    path = Path(model).expanduser()
-    if path.is_absolute() or path.exists() or model.startswith("."):
-        return path.resolve().name or model
-    return model
-
-
 def parse(model: type[BaseModel], raw: bytes) -> Any:
     """The request model from a JSON body; ApiError(400) naming the field otherwise."""
     try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise ApiError(400, "invalid_json", "the body must be a JSON object") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "invalid_json", "the body must be a JSON object")
+        data = parse_json_object(raw)
+    except InvalidInput as e:
+        raise ApiError(400, "invalid_json", e.message) from None
     for name, neutral in UNSUPPORTED.items():
         if name in data:
             value = data.pop(name)
@@ -284,10 +269,10 @@ def openai_router(state: ServerState) -> APIRouter:
         if model is not None and model not in accepted_models:
             raise ApiError(404, "model_not_found", f"this server serves {state.model_name!r}, not {model!r}", "model")
 
-    async def sample(prompts: list[list[int]], n: int, params: SamplingParams, fields: dict[str, str],
+    async def sample(request: Request, prompts: list[list[int]], n: int, params: SamplingParams, fields: dict[str, str],
                      prompt_field: Any) -> SampleResult:
         try:
-            result = await batcher.sample(prompts, n, params)
+            result = await until_disconnected(request, batcher.sample(prompts, n, params))
         except InvalidInput as e:
             raise ApiError(400, error_code(e.field, prompts, backend.max_context), e.message,
                            user_field(e.field, fields, prompt_field)) from None
@@ -313,7 +298,7 @@ def openai_router(state: ServerState) -> APIRouter:
         prompts, single = completion_prompts(req.prompt, tokenizer)
         params = sampling_params(req, req.max_tokens or DEFAULT_MAX_TOKENS, req.logprobs or 0)
         fields = {"top_logprobs": "logprobs", "stop_at_eos": "ignore_eos"}
-        result = await sample(prompts, req.n or 1, params, fields, lambda i: "prompt" if single else f"prompt[{i}]")
+        result = await sample(request, prompts, req.n or 1, params, fields, lambda i: "prompt" if single else f"prompt[{i}]")
         return answer(req, Answer("completion", state.model_name, result, params.stop, req.logprobs is not None, req.logprobs or 0))
 
     @router.post("/chat/completions")
@@ -336,7 +321,7 @@ def openai_router(state: ServerState) -> APIRouter:
                                "messages")
         params = sampling_params(req, max_tokens, req.top_logprobs or 0)
         fields = {"max_tokens": limit_field, "stop_at_eos": "ignore_eos"}
-        result = await sample([prompt], req.n or 1, params, fields, lambda i: "messages")
+        result = await sample(request, [prompt], req.n or 1, params, fields, lambda i: "messages")
         return answer(req, Answer("chat", state.model_name, result, params.stop, bool(req.logprobs), req.top_logprobs or 0))
 
     return router

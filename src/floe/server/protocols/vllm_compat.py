@@ -36,7 +36,7 @@ import json
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -45,11 +45,11 @@ from starlette.concurrency import run_in_threadpool
 from floe.backend.validation import MAX_TOP_LOGPROBS
 from floe.errors import InvalidInput
 from floe.server.batching import SampleBatcher
+from floe.server.bodies import parse_json_object
+from floe.server.connections import until_disconnected
 from floe.server.errors import ApiError
+from floe.server.state import ServerState
 from floe.types import SamplingParams
-
-if TYPE_CHECKING:
-    from floe.server.app import ServerState
 
 GENERATE_PATH = "/inference/v1/generate"
 SAMPLING_PATHS = (GENERATE_PATH, "/v1/completions", "/v1/chat/completions")
@@ -70,7 +70,8 @@ DETOKENIZER = ("skip_special_tokens", "spaces_between_special_tokens", "include_
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: `true` is not a token id and "5" is not a max_tokens (lax pydantic would coerce both)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class GenerateSampling(_Strict):
@@ -101,9 +102,11 @@ class GenerateRequest(_Strict):
 
 
 class PauseGate:
-    """Holds sampling requests while paused; counts those in flight so /pause can drain them."""
+    """Holds sampling requests while paused (each at most `hold_s`, then 503); counts those in
+    flight so /pause can drain them."""
 
-    def __init__(self) -> None:
+    def __init__(self, hold_s: float) -> None:
+        self.hold_s = hold_s
         self.paused = False
         self.in_flight = 0
         self._changed = asyncio.Condition()
@@ -111,7 +114,11 @@ class PauseGate:
     @contextlib.asynccontextmanager
     async def admit(self) -> AsyncIterator[None]:
         async with self._changed:
-            await self._changed.wait_for(lambda: not self.paused)
+            try:
+                await asyncio.wait_for(self._changed.wait_for(lambda: not self.paused), self.hold_s)
+            except asyncio.TimeoutError:
+                raise ApiError(503, "paused", f"sampling is paused (POST /resume ends it); this request waited "
+                               f"{self.hold_s:g} s ([server] pause_hold_s)") from None
             self.in_flight += 1
         try:
             yield
@@ -133,6 +140,13 @@ class PauseGate:
 
 def _bad(field: str, message: str) -> ApiError:
     return ApiError(400, "invalid_value", message, field)
+
+
+def _json_body(raw: bytes) -> dict[str, Any]:
+    try:
+        return parse_json_object(raw)
+    except InvalidInput as e:
+        raise ApiError(400, "invalid_json", e.message) from None
 
 
 def generate_params(raw: dict[str, Any], max_context: int, prompt_len: int) -> tuple[SamplingParams, int, int]:
@@ -181,12 +195,7 @@ def vllm_router(state: ServerState, gate: PauseGate) -> APIRouter:
 
     @router.post(GENERATE_PATH)
     async def generate(request: Request) -> dict[str, Any]:
-        try:
-            body = json.loads(await request.body())
-        except (UnicodeDecodeError, ValueError):
-            raise ApiError(400, "invalid_json", "the body must be a JSON object") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "invalid_json", "the body must be a JSON object")
+        body = _json_body(await request.body())
         for key in ("features", "content_parts", "return_token_ids"):
             if body.get(key) not in (None, False):
                 raise _bad(key, "multimodal prompts are not supported by floe; send token_ids only")
@@ -204,7 +213,7 @@ def vllm_router(state: ServerState, gate: PauseGate) -> APIRouter:
             raise ApiError(404, "model_not_found", f"this server serves {state.model_name!r}, not {req.model!r}", "model")
         params, n, top = generate_params(req.sampling_params, backend.max_context, len(req.token_ids))
         try:
-            result = await batcher.sample([req.token_ids], n, params)
+            result = await until_disconnected(request, batcher.sample([req.token_ids], n, params))
         except InvalidInput as e:
             field = e.field.replace("prompts[0]", "token_ids").replace("params.", "sampling_params.")
             raise _bad(field, e.message) from None
@@ -239,11 +248,8 @@ def vllm_router(state: ServerState, gate: PauseGate) -> APIRouter:
     async def update_weights(request: Request) -> dict[str, Any]:
         from floe.integrations.prime_rl.formats import read_marker  # noqa: PLC0415 - msgspec (the prime-rl extra)
 
-        try:
-            body = json.loads(await request.body() or b"{}")
-        except (UnicodeDecodeError, ValueError):
-            raise ApiError(400, "invalid_json", "the body must be a JSON object") from None
-        weight_dir = body.get("weight_dir") if isinstance(body, dict) else None
+        body = _json_body(await request.body() or b"{}")
+        weight_dir = body.get("weight_dir")
         if not isinstance(weight_dir, str) or not weight_dir:
             raise _bad("weight_dir", "give the published step directory (broadcasts/step_N) of `floe prime-trainer`")
         try:
@@ -265,7 +271,7 @@ def vllm_router(state: ServerState, gate: PauseGate) -> APIRouter:
 
 def install(app: FastAPI, state: ServerState) -> PauseGate:
     """Mount the routes and the middleware that holds sampling requests while paused."""
-    gate = PauseGate()
+    gate = PauseGate(state.config.pause_hold_s)
     app.state.vllm_pause = gate
 
     @app.middleware("http")

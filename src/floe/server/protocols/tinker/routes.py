@@ -37,6 +37,7 @@ from floe.server.edge import principal_of
 from floe.server.protocols.tinker import requests as rq
 from floe.server.protocols.tinker.service import Bounds, TinkerService, _digest
 from floe.server.protocols.tinker.store import Limits, Store
+from floe.server.state import ServerState
 
 LONG_POLL_S = 20.0
 DOWNLOAD_PREFIX = "/api/v1/download/"
@@ -44,8 +45,8 @@ URL_LIFETIME_S = 3600
 MAX_PAGE = 1000
 
 
-def build_service(state: Any) -> TinkerService:
-    """The Tinker service of one `server.app.ServerState`: its backend's model is the default
+def build_service(state: ServerState) -> TinkerService:
+    """The Tinker service of one `ServerState`: its backend's model is the default
     base model; `[server] tinker_base_models` adds more (each with its own tokenizer)."""
     backend, config = state.backend, state.config
     root = Path(backend.config.state_dir) / ".tinker"
@@ -107,8 +108,8 @@ def _page(request: Request, default_limit: int) -> tuple[int, int]:
     return out[0], out[1]
 
 
-def tinker_router(state: Any) -> APIRouter:
-    """The router for one `server.app.ServerState`."""
+def tinker_router(state: ServerState) -> APIRouter:
+    """The router for one `ServerState`."""
     config = state.config
     service = build_service(state)
     signer = _Signer(service.layout.root)
