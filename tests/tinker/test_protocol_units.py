@@ -140,3 +140,248 @@ def test_retrieve_waits_for_the_reply_without_a_thread() -> None:
     early, reply = asyncio.run(main())
     assert early is None and reply is not None and reply.body == b"done"
     futures.close()
+
+
+# -- losses: gspo, finite config numbers, the inputs a loss takes, losses floe does not serve ----
+
+
+def _tinker_gspo(lp, q, adv, mask, low: float, high: float):
+    """Tinker's gspo for one datum, as its loss docs implement it (tinker-docs losses/gspo)."""
+    import torch
+
+    in_ratio = mask != 0
+    log_ratio = (lp.detach() - q)[in_ratio].mean()
+    ratio = torch.exp(log_ratio + lp - lp.detach())
+    clipped = torch.clamp(ratio, low, high)
+    return -torch.min(ratio * adv, clipped * adv).sum()
+
+
+def test_tinker_gspo_equals_the_documented_implementation() -> None:
+    """Datums -> floe's gspo (weights = the ratio's tokens, ratio_gradient token, thresholds as
+    epsilons, sum) gives Tinker's loss and gradient: with an explicit sequence_ratio_mask and with
+    none (the tokens with a nonzero advantage), per-token advantages, both clip branches taken."""
+    import torch
+
+    from floe.compute.losses import TokenInputs, compute_loss, resolve_loss
+
+    g = torch.Generator().manual_seed(3)
+    d1 = {"target_tokens": [2, 3, 4, 5, 6, 7], "logprobs": [0.0, 0.0, -1.0, -2.0, -0.5, -1.5],
+          "advantages": [0.0, 0.0, 1.0, -0.5, 2.0, 0.7], "sequence_ratio_mask": [0.0, 0.0, 1.0, 1.0, 1.0, 1.0]}
+    d2 = {"target_tokens": [9, 10, 11, 12], "logprobs": [0.0, -0.7, -1.2, 0.0], "advantages": [0.0, -1.0, -0.3, 0.0]}
+    low, high = 0.95, 1.05
+    call = convert.forward_request_to_floe(_request("gspo", [([1, 2, 3, 4, 5, 6], d1), ([8, 9, 10, 11], d2)],
+                                                    {"clip_low_threshold": low, "clip_high_threshold": high}))
+    assert call.loss == "gspo" and call.loss_config["ratio_gradient"] == "token"
+    samples = [grp.samples[0] for grp in call.batch.groups]
+    assert samples[0].weights == [0.0, 0.0, 1.0, 1.0, 1.0, 1.0] and samples[1].weights == [0.0, 1.0, 1.0, 0.0]
+    for shift in (0.0, 0.3):  # ratios within the clip range, then s ~ e^0.3, outside it
+        q = [torch.tensor(d["logprobs"]) for d in (d1, d2)]
+        lp = [(qi + shift + 0.05 * torch.randn(qi.shape, generator=g)).requires_grad_(True) for qi in q]
+        want = sum(_tinker_gspo(lp[i], q[i], torch.tensor(d["advantages"]),
+                                torch.tensor(d.get("sequence_ratio_mask", [float(a != 0) for a in d["advantages"]])),
+                                low, high) for i, d in enumerate((d1, d2)))
+        want.backward()
+        want_grads = [x.grad.clone() for x in lp]
+        flat = torch.cat([x.detach() for x in lp]).requires_grad_(True)
+        inputs = TokenInputs(
+            logp=flat, weights=torch.tensor([w for s in samples for w in s.weights]), scale=torch.ones(10),
+            sample_index=torch.tensor([0] * 6 + [1] * 4), num_samples=2,
+            old_logp=torch.tensor([x for s in samples for x in s.logprobs]),
+            advantages=torch.tensor([x for s in samples for x in s.advantage]),
+        )
+        got, metrics = compute_loss(resolve_loss(call.loss, call.loss_config), inputs)
+        got.backward()
+        assert got.item() == pytest.approx(want.item(), rel=1e-5, abs=1e-7)
+        assert flat.grad.tolist() == pytest.approx(torch.cat(want_grads).tolist(), rel=1e-5, abs=1e-7)
+        assert (metrics["clipped_tokens"] > 0) == (shift > 0.1)
+
+
+def test_gspo_refuses_an_advantage_outside_the_sequence_ratio() -> None:
+    d = {"target_tokens": [2, 3, 4], "logprobs": [0.0, -1.0, -1.0], "advantages": [0.5, 1.0, 1.0],
+         "sequence_ratio_mask": [0.0, 1.0, 1.0]}
+    with pytest.raises(InvalidInput, match="position 0 has a nonzero advantage outside") as err:
+        convert.forward_request_to_floe(_request("gspo", [([1, 2, 3], d)]))
+    assert err.value.field == "data[0].loss_fn_inputs.advantages"
+
+
+def _raw_config_request(loss: str, v2: dict | None = None, legacy: dict | None = None):
+    rl = {"target_tokens": [2, 3], "logprobs": [-1.0, -1.0], "advantages": [1.0, 1.0]}
+    msg = _request(loss, [([1, 2], rl)])
+    for key, value in (v2 or {}).items():
+        if isinstance(value, str):
+            msg.loss_fn_config_v2[key].text = value
+        else:
+            msg.loss_fn_config_v2[key].number = value
+    for key, value in (legacy or {}).items():
+        msg.loss_fn_config[key] = value
+    return msg
+
+
+@pytest.mark.parametrize(
+    ("loss", "v2", "legacy", "field"),
+    [
+        ("ppo", {"clip_low_threshold": float("nan")}, None, "loss_fn_config.clip_low_threshold"),
+        ("ppo", {"clip_high_threshold": float("inf")}, None, "loss_fn_config.clip_high_threshold"),
+        ("gspo", {"clip_high_threshold": "1.2"}, None, "loss_fn_config.clip_high_threshold"),
+        ("cispo", None, {"clip_low_threshold": float("-inf")}, "loss_fn_config.clip_low_threshold"),
+        ("dro", {"beta": float("nan")}, None, "loss_fn_config.beta"),
+        ("dro", None, {"beta": float("inf")}, "loss_fn_config.beta"),
+        ("dro", {"beta": -0.1}, None, "loss_fn_config.beta"),
+        ("gspo", {"clip_low_threshold": 1.5}, None, "loss_fn_config.clip_low_threshold"),
+    ],
+)
+def test_loss_fn_config_numbers_must_be_finite_and_in_range(loss, v2, legacy, field) -> None:
+    with pytest.raises(InvalidInput) as err:
+        convert.forward_request_to_floe(_raw_config_request(loss, v2, legacy))
+    assert err.value.field == field
+
+
+def test_v2_config_is_preferred_and_a_finite_legacy_map_still_works() -> None:
+    call = convert.forward_request_to_floe(_raw_config_request("dro", {"beta": 0.25}, {"beta": float("nan")}))
+    assert call.loss_config["beta"] == 0.25  # the SDK mirrors floats into the legacy map; v2 supersedes it
+    assert convert.forward_request_to_floe(_raw_config_request("dro", None, {"beta": 0.5})).loss_config["beta"] == 0.5
+
+
+# What stock tinker-cookbook 0.6.1 recipes send (rl/train.py strips `mask`; rl_loop.py adds the
+# gspo mask; supervised and DPO send target_tokens + weights, the SDK's custom loss the same).
+COOKBOOK_INPUTS = [
+    ("importance_sampling", ("target_tokens", "logprobs", "advantages")),
+    ("ppo", ("target_tokens", "logprobs", "advantages")),
+    ("cispo", ("target_tokens", "logprobs", "advantages")),
+    ("gspo", ("target_tokens", "logprobs", "advantages")),
+    ("gspo", ("target_tokens", "logprobs", "advantages", "sequence_ratio_mask")),
+    ("cross_entropy", ("target_tokens", "weights")),
+    ("cross_entropy", ("target_tokens",)),
+]
+
+
+@pytest.mark.parametrize(("loss", "keys"), COOKBOOK_INPUTS)
+def test_the_inputs_stock_cookbook_recipes_send_are_accepted(loss, keys) -> None:
+    values = {"target_tokens": [2, 3, 4], "logprobs": [0.0, -1.0, -2.0], "advantages": [0.0, 1.0, 1.0],
+              "sequence_ratio_mask": [0.0, 1.0, 1.0], "weights": [0.0, 1.0, 1.0]}
+    config = {"beta": 0.1} if loss == "dro" else None
+    call = convert.forward_request_to_floe(_request(loss, [([1, 2, 3], {k: values[k] for k in keys})], config))
+    assert call.batch.groups[0].samples[0].tokens == [2, 3, 4]
+
+
+@pytest.mark.parametrize(
+    ("loss", "extra", "match"),
+    [
+        ("importance_sampling", "mask", "drops its 'mask'"),
+        ("cross_entropy", "logprobs", "not an input of cross_entropy"),
+        ("ppo", "weights", "not an input of ppo"),
+        ("ppo", "clip_low_threshold", "per-token clip thresholds"),
+        ("importance_sampling", "sequence_ratio_mask", "not an input of importance_sampling"),
+    ],
+)
+def test_inputs_a_loss_does_not_take_are_refused_naming_the_key(loss, extra, match) -> None:
+    inputs = {"target_tokens": [2, 3], extra: [1.0, 1.0]}
+    if loss != "cross_entropy":
+        inputs.update(logprobs=[-1.0, -1.0], advantages=[1.0, 1.0])
+    with pytest.raises(InvalidInput, match=match) as err:
+        convert.forward_request_to_floe(_request(loss, [([1, 2], inputs)]))
+    assert err.value.field == f"data[0].loss_fn_inputs.{extra}"
+
+
+@pytest.mark.parametrize(("loss", "match"), [("stable_reinforce", "not published"), ("custom", "custom_loss_server_side")])
+def test_losses_floe_does_not_serve_say_why_and_what_to_use(loss, match) -> None:
+    with pytest.raises(InvalidInput, match=match) as err:
+        convert.forward_request_to_floe(_request(loss, [([1, 2], {"target_tokens": [2, 3]})]))
+    assert err.value.field == "loss_fn"
+    if loss == "stable_reinforce":
+        assert "importance_sampling" in err.value.message
+
+
+def test_input_tensors_are_checked_for_dtype_shape_and_finite_values() -> None:
+    nan = convert.forward_request_to_floe
+    bad = _request("importance_sampling", [([1, 2, 3], {"target_tokens": [2, 3, 4], "logprobs": [-1.0] * 3,
+                                                         "advantages": [1.0, float("nan"), 0.0]})])
+    with pytest.raises(InvalidInput) as err:
+        nan(bad)
+    assert err.value.field == "data[0].loss_fn_inputs.advantages[1]"
+    floats = _request("cross_entropy", [([1, 2], {"target_tokens": [2, 3]})])
+    t = floats.data[0].loss_fn_inputs["target_tokens"]
+    t.dtype, t.dense = schema.DTYPE_FLOAT32, np.asarray([2, 3], dtype=np.float32).tobytes()
+    with pytest.raises(InvalidInput, match="int64") as err:
+        nan(floats)
+    assert err.value.field == "data[0].loss_fn_inputs.target_tokens"
+    two_d = _request("cross_entropy", [([1, 2], {"target_tokens": [2, 3, 5, 6]})])
+    del two_d.data[0].loss_fn_inputs["target_tokens"].shape[:]
+    two_d.data[0].loss_fn_inputs["target_tokens"].shape.extend([2, 2])
+    with pytest.raises(InvalidInput, match="2-D") as err:
+        nan(two_d)
+    assert err.value.field == "data[0].loss_fn_inputs.target_tokens"
+
+
+# -- optim_step: AdamParams -----------------------------------------------------------------
+
+
+def test_adam_params_accept_a_zero_learning_rate_and_refuse_absurd_ones() -> None:
+    import json
+
+    from floe.backend.runs import MAX_LEARNING_RATE, AdamStep
+
+    full = {"learning_rate": 0.0, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0, "grad_clip_norm": 0.0}
+    step = AdamStep.from_json(full)
+    assert step.learning_rate == 0.0 and step.to_config().lr == 0.0
+    assert AdamStep.from_json({"learning_rate": MAX_LEARNING_RATE}).learning_rate == MAX_LEARNING_RATE
+    for text in ("Infinity", "-Infinity", "NaN", "1e308", "-1e-5", "null", '"1e-4"', "true", "1.5", "1e400"):
+        raw = json.loads(f'{{"learning_rate": {text}}}')  # what the JSON body parses to
+        with pytest.raises(InvalidInput) as err:
+            AdamStep.from_json(raw)
+        assert err.value.field == "adam_params.learning_rate", text
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        ({"beta1": float("nan")}, "adam_params.beta1"),
+        ({"beta1": 1.0}, "adam_params.beta1"),
+        ({"beta2": -0.1}, "adam_params.beta2"),
+        ({"eps": 0.0}, "adam_params.eps"),
+        ({"eps": float("inf")}, "adam_params.eps"),
+        ({"weight_decay": float("inf")}, "adam_params.weight_decay"),
+        ({"weight_decay": -0.01}, "adam_params.weight_decay"),
+        ({"learning_rate": 0.5, "weight_decay": 3.0}, "adam_params.weight_decay"),
+        ({"grad_clip_norm": float("nan")}, "adam_params.grad_clip_norm"),
+        ({"grad_clip_norm": -1.0}, "adam_params.grad_clip_norm"),
+        ({"momentum": 0.9}, "adam_params.momentum"),
+        ([0.1], "adam_params"),
+    ],
+)
+def test_every_adam_field_is_finite_and_in_range(raw, field) -> None:
+    from floe.backend.runs import AdamStep
+
+    with pytest.raises(InvalidInput) as err:
+        AdamStep.from_json(raw)
+    assert err.value.field == field
+
+
+# -- create_model: lora_config --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        ({"rank": 8, "train_attn": "no"}, "lora_config.train_attn"),
+        ({"rank": 8, "train_mlp": 0}, "lora_config.train_mlp"),
+        ({"rank": 8, "train_unembed": None}, "lora_config.train_unembed"),
+        ({"rank": "8"}, "lora_config.rank"),
+        ({"rank": True}, "lora_config.rank"),
+        ({"rank": 8.0}, "lora_config.rank"),
+        ({"rank": 8, "seed": "7"}, "lora_config.seed"),
+        ({"rank": 8, "seed": 2**70}, "lora_config.seed"),
+        ({"rank": 8, "alpha": 16}, "lora_config.alpha"),
+        ("rank=8", "lora_config"),
+    ],
+)
+def test_lora_config_needs_real_booleans_and_integers(raw, field) -> None:
+    with pytest.raises(InvalidInput) as err:
+        convert.lora_spec(raw)
+    assert err.value.field == field
+
+
+def test_lora_config_defaults_and_false_switches() -> None:
+    spec = convert.lora_spec({"rank": 4, "seed": 3, "train_attn": False})
+    assert (spec.rank, spec.seed, spec.train_attn, spec.train_mlp, spec.train_unembed) == (4, 3, False, True, True)
+    assert convert.lora_spec(None).rank == 32

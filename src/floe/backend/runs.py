@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -83,10 +84,15 @@ MAX_LOADED_FULL_SAMPLERS = 2  # full models loaded from sampler weights on disk 
 FULL_FINETUNE_SETTING = "[server] tinker_full_finetune"
 
 
+MAX_LEARNING_RATE = 1.0  # Adam moves every weight by about lr per step: above 1 no fine-tune survives a step
+ADAM_FIELDS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+
+
 @dataclass(frozen=True)
 class AdamStep:
     """One optimizer step's AdamW hyper-parameters (Tinker's AdamParams). grad_clip_norm 0 =
-    no clipping; weight decay is decoupled (torch.optim.AdamW)."""
+    no clipping; weight decay is decoupled (torch.optim.AdamW). learning_rate 0 is a valid step
+    (warm-up schedules start there): the moments and the step count advance, the weights stay."""
 
     learning_rate: float = 1e-4
     beta1: float = 0.9
@@ -95,19 +101,64 @@ class AdamStep:
     weight_decay: float = 0.0
     grad_clip_norm: float = 0.0
 
-    def to_config(self) -> OptimizerConfig:
-        """As floe's optimizer config (a constant schedule at this step's rate); InvalidInput
-        naming the `adam_params` field that is out of range."""
-        checks = (("learning_rate", self.learning_rate > 0), ("beta1", 0 <= self.beta1 < 1),
-                  ("beta2", 0 <= self.beta2 < 1), ("eps", self.eps > 0), ("weight_decay", self.weight_decay >= 0),
-                  ("grad_clip_norm", self.grad_clip_norm >= 0))
-        for name, ok in checks:
+    @classmethod
+    def from_json(cls, raw: Any) -> AdamStep:
+        """An AdamStep from the request's `adam_params` object: known keys only (and "type"),
+        every value a finite number (not a bool, string or null), each in range (`check`);
+        InvalidInput naming `adam_params.<field>`."""
+        if not isinstance(raw, dict):
+            raise InvalidInput("adam_params", "floe trains with AdamW: send adam_params (AdamParams) as an object")
+        unknown = sorted(set(raw) - set(ADAM_FIELDS) - {"type"})
+        if unknown:
+            raise InvalidInput(f"adam_params.{unknown[0]}", f"unknown key; AdamParams has {list(ADAM_FIELDS)}")
+        values: dict[str, float] = {}
+        for name in ADAM_FIELDS:
+            if name in raw:
+                value = raw[name]
+                if type(value) not in (int, float) or not _finite(value):
+                    raise InvalidInput(f"adam_params.{name}", f"must be a finite number, got {value!r}")
+                values[name] = float(value)
+        step = cls(**values)
+        step.check()
+        return step
+
+    def check(self) -> None:
+        """InvalidInput naming the `adam_params` field that is not finite or out of range:
+        learning_rate in [0, MAX_LEARNING_RATE], beta1 and beta2 in [0, 1), eps > 0,
+        weight_decay >= 0 with learning_rate * weight_decay <= 1 (the decoupled decay factor
+        1 - lr * wd stays in [0, 1]), grad_clip_norm >= 0."""
+        for name in ADAM_FIELDS:
+            value = getattr(self, name)
+            if type(value) not in (int, float) or not _finite(value):
+                raise InvalidInput(f"adam_params.{name}", f"must be a finite number, got {value!r}")
+        checks = (
+            ("learning_rate", 0 <= self.learning_rate <= MAX_LEARNING_RATE, f"in [0, {MAX_LEARNING_RATE}]"),
+            ("beta1", 0 <= self.beta1 < 1, "in [0, 1)"), ("beta2", 0 <= self.beta2 < 1, "in [0, 1)"),
+            ("eps", self.eps > 0, "> 0"), ("weight_decay", self.weight_decay >= 0, ">= 0"),
+            ("weight_decay", self.learning_rate * self.weight_decay <= 1,
+             "<= 1 / learning_rate (the decoupled decay multiplies weights by 1 - learning_rate * weight_decay)"),
+            ("grad_clip_norm", self.grad_clip_norm >= 0, ">= 0 (0 = no clipping)"),
+        )
+        for name, ok, rule in checks:
             if not ok:
-                raise InvalidInput(f"adam_params.{name}", f"out of range: {getattr(self, name)!r}")
-        return OptimizerConfig(
+                raise InvalidInput(f"adam_params.{name}", f"must be {rule}, got {getattr(self, name)!r}")
+
+    def to_config(self) -> OptimizerConfig:
+        """As floe's optimizer config (a constant schedule at this step's rate), after `check`.
+        Built without pydantic's validation, which refuses lr = 0 for floe's own recipes (there a
+        zero rate is a mistake; here it is a warm-up step)."""
+        self.check()
+        return OptimizerConfig.model_construct(
             lr=self.learning_rate, betas=(self.beta1, self.beta2), eps=self.eps, weight_decay=self.weight_decay,
             grad_clip=self.grad_clip_norm if self.grad_clip_norm > 0 else None, schedule="constant",
         )
+
+
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond float's range
+        return False
 
 
 @dataclass

@@ -1,16 +1,27 @@
-"""Tinker wire data <-> floe types: datums to a `floe.Batch` with a floe loss, samples and
-results to the protobuf messages the SDK decodes. Pure conversion, no model.
+"""Tinker wire data <-> floe types: datums to a `floe.Batch` with a floe loss, request JSON to
+checked floe arguments, samples and results to the protobuf messages the SDK decodes. Pure
+conversion and checking, no model.
 
-Loss mapping (Tinker semantics on floe's losses, `aggregation = "sum"`):
+Loss mapping (Tinker semantics on floe's losses, `aggregation = "sum"`; docs/losses.md):
 * `cross_entropy`: floe `cross_entropy` with the datum's `weights` as per-token weights; when a
   weight is negative (the SDK's custom-loss surrogate sends signed weights), floe `dro` with
   beta 0, advantages = weights and old log-probs 0, which is the same −w·logp.
 * `importance_sampling`: floe `importance_sampling` (old log-probs = `logprobs`).
-* `ppo`, `cispo`: `clip_low_threshold` / `clip_high_threshold` are bounds on the ratio (default
-  0.8 / 1.2); floe's keys are epsilons: clip_low = 1 − low, clip_high = high − 1.
+* `ppo`, `cispo`, `gspo`: `clip_low_threshold` / `clip_high_threshold` are bounds on the ratio
+  (default 0.8 / 1.2); floe's keys are epsilons: clip_low = 1 − low, clip_high = high − 1.
+* `gspo`: floe `gspo` with `ratio_gradient = "token"` (GSPO-token, as Tinker defines it). The
+  tokens of the sequence ratio (`sequence_ratio_mask` ≠ 0; absent: the tokens with a nonzero
+  advantage) become the sample's 0/1 weights; a nonzero advantage outside them is refused (its
+  loss would need the ratio of tokens floe does not train).
 * `dro`: floe `dro` with `beta`.
-Datums must be next-token data (target_tokens = model_input shifted by one, as the SDK's
-helpers and the cookbook build them); a datum becomes a group whose prompt is its first
+* `stable_reinforce` and `custom` are refused (NOT_SERVED_LOSSES says why).
+
+`loss_fn_inputs`: a loss takes exactly its inputs (REQUIRED_INPUTS, OPTIONAL_INPUTS); any other
+key is refused naming it, as Tinker's service takes only the inputs a loss reads (the cookbook
+drops its `mask` before every forward_backward, rl/train.py `_remove_mask`; the SDK sends only
+`target_tokens` and `weights` for custom losses). Every number (inputs, `loss_fn_config`) must
+be finite. Datums must be next-token data (target_tokens = model_input shifted by one, as the
+SDK's helpers and the cookbook build them); a datum becomes a group whose prompt is its first
 input token and whose one sample is `target_tokens`.
 """
 
@@ -23,15 +34,39 @@ from typing import Any
 import numpy as np
 
 from floe.errors import InvalidInput
+from floe.models.lora import LoraSpec
 from floe.server.protocols.tinker import schema
 from floe.types import Batch, Group, Sample, SampledGroup, SamplingParams
 
-RL_LOSSES = ("importance_sampling", "ppo", "cispo", "dro")
+RL_LOSSES = ("importance_sampling", "ppo", "cispo", "gspo", "dro")
 SUPPORTED_LOSSES = ("cross_entropy", *RL_LOSSES)
-_INPUT_KEYS = {"cross_entropy": {"target_tokens", "weights"}, **{k: {"target_tokens", "logprobs", "advantages"} for k in RL_LOSSES}}
-_CONFIG_KEYS = {"cross_entropy": set(), "importance_sampling": set(), "ppo": {"clip_low_threshold", "clip_high_threshold"},
-                "cispo": {"clip_low_threshold", "clip_high_threshold"}, "dro": {"beta"}}
+_RL_INPUTS = frozenset({"target_tokens", "logprobs", "advantages"})
+REQUIRED_INPUTS: dict[str, frozenset[str]] = {"cross_entropy": frozenset({"target_tokens"}),
+                                              **{k: _RL_INPUTS for k in RL_LOSSES}}
+OPTIONAL_INPUTS: dict[str, frozenset[str]] = {"cross_entropy": frozenset({"weights"}),
+                                              "gspo": frozenset({"sequence_ratio_mask"})}
+_INT_INPUTS = frozenset({"target_tokens"})
+_CLIP_KEYS = frozenset({"clip_low_threshold", "clip_high_threshold"})
+CONFIG_KEYS: dict[str, frozenset[str]] = {"cross_entropy": frozenset(), "importance_sampling": frozenset(),
+                                          "ppo": _CLIP_KEYS, "cispo": _CLIP_KEYS, "gspo": _CLIP_KEYS,
+                                          "dro": frozenset({"beta"})}
 DEFAULT_CLIP = (0.8, 1.2)
+
+NOT_SERVED_LOSSES = {
+    "stable_reinforce": (
+        "floe does not serve stable_reinforce: its objective uses stability information that Tinker's sampler "
+        "records (record_stability_info) and Tinker has not published what that information is or the formula "
+        "that uses it, so floe cannot compute the same loss; train with importance_sampling, ppo, cispo or gspo "
+        "(tinker-cookbook: loss_fn='importance_sampling')"
+    ),
+    "custom": (
+        "server-side custom losses (ServiceClient.create_custom_loss) are not served (this server's client config "
+        "says custom_loss_server_side: false); forward_backward_custom with a callable or a client-side LossHandle "
+        "works"
+    ),
+}
+_PER_TOKEN_CLIP = ("per-token clip thresholds are not supported by floe; give one bound for the whole call as "
+                   "loss_fn_config.{key}")
 
 
 @dataclass
@@ -44,23 +79,51 @@ class FloeCall:
     lengths: list[int]
 
 
-def _tensor(field: str, msg: Any) -> np.ndarray:
-    """A proto `Tensor` (dense or sparse CSR) as a flat numpy array."""
-    dtype = {schema.DTYPE_FLOAT32: np.float32, schema.DTYPE_INT64: np.int64}.get(msg.dtype)
-    if dtype is None:
-        raise InvalidInput(field, f"dtype {msg.dtype} is not float32 or int64")
+def finite_number(field: str, value: Any) -> float:
+    """`value` as a float when it is an int or float (not a bool) and finite; InvalidInput
+    naming `field` otherwise (NaN, ±Infinity, strings, null, huge ints)."""
+    if type(value) not in (int, float):
+        raise InvalidInput(field, f"must be a finite number, got {value!r}")
+    try:
+        number = float(value)
+    except OverflowError:
+        raise InvalidInput(field, f"must be a finite number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise InvalidInput(field, f"must be a finite number, got {value!r}")
+    return number
+
+
+def _int_in(field: str, value: Any, lo: int, hi: int, what: str = "") -> int:
+    """An int (not a bool) in [lo, hi]; InvalidInput naming `field` otherwise."""
+    if type(value) is not int or not lo <= value <= hi:
+        raise InvalidInput(field, f"must be an integer in [{lo}, {hi}]{what}, got {value!r}")
+    return value
+
+
+# -- forward / forward_backward -------------------------------------------------------------
+
+
+def _tensor(field: str, msg: Any, key: str, n: int) -> np.ndarray:
+    """A proto `Tensor` (dense or sparse CSR) holding one value per input token, as a flat array:
+    int64 for target_tokens, float32 (finite) for everything else."""
+    want = schema.DTYPE_INT64 if key in _INT_INPUTS else schema.DTYPE_FLOAT32
+    if msg.dtype != want:
+        raise InvalidInput(field, f"must be {'int64' if key in _INT_INPUTS else 'float32'}, got dtype {msg.dtype}")
+    dtype = np.int64 if key in _INT_INPUTS else np.float32
     shape = [int(s) for s in msg.shape]
+    if len(shape) > 1:
+        raise InvalidInput(field, f"has shape {shape}: floe takes one value per input token, shape ({n},); 2-D "
+                                  "(N, K) inputs (several targets per position, as top-k distillation sends) are "
+                                  "not supported")
     if msg.HasField("sparse_csr"):
-        values = np.frombuffer(msg.sparse_csr.values, dtype=dtype)
-        crow = np.frombuffer(msg.sparse_csr.crow_indices, dtype=np.int64)
-        col = np.frombuffer(msg.sparse_csr.col_indices, dtype=np.int64)
-        if len(shape) != 2:
-            raise InvalidInput(field, "a sparse tensor must be 2-D")
-        dense = np.zeros(shape, dtype=dtype)
-        for row in range(shape[0]):
-            dense[row, col[crow[row]:crow[row + 1]]] = values[crow[row]:crow[row + 1]]
-        return dense.reshape(-1)
-    return np.frombuffer(msg.dense, dtype=dtype)
+        raise InvalidInput(field, "a sparse tensor must be 2-D, which floe does not support; send it dense")
+    values = np.frombuffer(msg.dense, dtype=dtype)
+    if values.size != n:
+        raise InvalidInput(field, f"has {values.size} values for {n} input tokens")
+    if dtype is np.float32 and not np.isfinite(values).all():
+        bad = int(np.flatnonzero(~np.isfinite(values))[0])
+        raise InvalidInput(f"{field}[{bad}]", f"must be a finite number, got {values[bad]}")
+    return values
 
 
 def _tokens(field: str, chunks: Any) -> list[int]:
@@ -73,42 +136,78 @@ def _tokens(field: str, chunks: Any) -> list[int]:
     return out
 
 
-def loss_config_of(request: Any) -> dict[str, float | str]:
-    """loss_fn_config_v2 (preferred) or the legacy numeric map."""
+def loss_config_of(request: Any) -> dict[str, Any]:
+    """loss_fn_config_v2 (preferred when set, as the SDK says) or the legacy numeric map, raw:
+    numbers, strings, or None for a v2 value that carries neither (checked by `floe_loss`)."""
     if request.loss_fn_config_v2:
-        return {k: (v.number if v.WhichOneof("value") == "number" else v.text) for k, v in request.loss_fn_config_v2.items()}
+        out: dict[str, Any] = {}
+        for key, value in request.loss_fn_config_v2.items():
+            kind = value.WhichOneof("value")
+            out[key] = value.number if kind == "number" else value.text if kind == "text" else None
+        return out
     return dict(request.loss_fn_config)
 
 
-def _floats(field: str, value: Any) -> float:
-    if not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidInput(field, f"must be a finite number, got {value!r}")
-    return float(value)
-
-
 def floe_loss(loss_fn: str, config: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """floe loss name and config for a Tinker loss_fn and loss_fn_config (InvalidInput on an
-    unsupported loss or an unknown key)."""
+    """floe loss name and config for a Tinker loss_fn and loss_fn_config (InvalidInput on a loss
+    floe does not serve, an unknown key, or a value that is not a finite number in range)."""
+    if loss_fn in NOT_SERVED_LOSSES:
+        raise InvalidInput("loss_fn", NOT_SERVED_LOSSES[loss_fn])
     if loss_fn not in SUPPORTED_LOSSES:
-        raise InvalidInput("loss_fn", f"floe supports {', '.join(SUPPORTED_LOSSES)}; got {loss_fn!r}")
-    unknown = sorted(set(config) - _CONFIG_KEYS[loss_fn])
+        raise InvalidInput("loss_fn", f"floe serves {', '.join(SUPPORTED_LOSSES)}; got {loss_fn!r}")
+    unknown = sorted(set(config) - CONFIG_KEYS[loss_fn])
     if unknown:
-        allowed = sorted(_CONFIG_KEYS[loss_fn]) or "none"
+        allowed = sorted(CONFIG_KEYS[loss_fn]) or "none"
         raise InvalidInput(f"loss_fn_config.{unknown[0]}", f"unknown key for {loss_fn}; allowed keys: {allowed}")
+    values = {key: finite_number(f"loss_fn_config.{key}", value) for key, value in config.items()}
     out: dict[str, Any] = {"aggregation": "sum"}
-    if loss_fn in ("ppo", "cispo"):
-        low = _floats("loss_fn_config.clip_low_threshold", config.get("clip_low_threshold", DEFAULT_CLIP[0]))
-        high = _floats("loss_fn_config.clip_high_threshold", config.get("clip_high_threshold", DEFAULT_CLIP[1]))
+    if loss_fn in ("ppo", "cispo", "gspo"):
+        low = values.get("clip_low_threshold", DEFAULT_CLIP[0])
+        high = values.get("clip_high_threshold", DEFAULT_CLIP[1])
         if not 0 <= low <= 1:
             raise InvalidInput("loss_fn_config.clip_low_threshold", f"a lower bound on the ratio in [0, 1], got {low}")
         if high < 1:
             raise InvalidInput("loss_fn_config.clip_high_threshold", f"an upper bound on the ratio >= 1, got {high}")
         out.update(clip_low=1.0 - low, clip_high=high - 1.0)
+    if loss_fn == "gspo":
+        out["ratio_gradient"] = "token"
     if loss_fn == "dro":
-        if "beta" not in config:
+        if "beta" not in values:
             raise InvalidInput("loss_fn_config.beta", "dro needs beta (the weight of the squared log-ratio penalty)")
-        out["beta"] = _floats("loss_fn_config.beta", config["beta"])
+        if values["beta"] < 0:
+            raise InvalidInput("loss_fn_config.beta", f"must be >= 0, got {values['beta']}")
+        out["beta"] = values["beta"]
     return loss_fn, out
+
+
+def _check_input_keys(where: str, loss: str, keys: set[str]) -> None:
+    takes = REQUIRED_INPUTS[loss] | OPTIONAL_INPUTS.get(loss, frozenset())
+    extra = sorted(keys - takes)
+    if extra and extra[0] in _CLIP_KEYS and loss in ("ppo", "cispo", "gspo"):
+        raise InvalidInput(f"{where}.loss_fn_inputs.{extra[0]}", _PER_TOKEN_CLIP.format(key=extra[0]))
+    if extra:
+        raise InvalidInput(
+            f"{where}.loss_fn_inputs.{extra[0]}",
+            f"not an input of {loss}, which takes {sorted(takes)}; like Tinker's service, floe takes only the inputs "
+            "a loss reads (the cookbook drops its 'mask' before sending): remove it",
+        )
+    missing = sorted(REQUIRED_INPUTS[loss] - keys)
+    if missing:
+        raise InvalidInput(f"{where}.loss_fn_inputs.{missing[0]}", f"{loss} needs {missing[0]}")
+
+
+def _gspo_weights(where: str, inputs: dict[str, np.ndarray]) -> list[float]:
+    """0/1 weights marking the tokens of a gspo datum's sequence ratio (see the module docstring)."""
+    adv = inputs["advantages"]
+    mask = inputs["sequence_ratio_mask"] != 0 if "sequence_ratio_mask" in inputs else adv != 0
+    outside = np.flatnonzero((adv != 0) & ~mask)
+    if outside.size:
+        raise InvalidInput(
+            f"{where}.loss_fn_inputs.advantages",
+            f"position {int(outside[0])} has a nonzero advantage outside sequence_ratio_mask; floe's gspo trains the "
+            "tokens of the sequence ratio only: include that position in the mask or zero its advantage",
+        )
+    return mask.astype(np.float64).tolist()
 
 
 def forward_request_to_floe(request: Any) -> FloeCall:
@@ -126,21 +225,8 @@ def forward_request_to_floe(request: Any) -> FloeCall:
         if n == 0:
             raise InvalidInput(f"{where}.model_input", "is empty")
         keys = set(datum.loss_fn_inputs.keys())
-        extra = sorted(keys - _INPUT_KEYS[loss])
-        if extra:
-            raise InvalidInput(f"{where}.loss_fn_inputs.{extra[0]}",
-                               f"not used by {loss}; floe accepts {sorted(_INPUT_KEYS[loss])}")
-        inputs = {}
-        for key in _INPUT_KEYS[loss]:
-            if key == "weights" and key not in keys:
-                inputs[key] = np.ones(n, dtype=np.float32)
-                continue
-            if key not in keys:
-                raise InvalidInput(f"{where}.loss_fn_inputs.{key}", f"{loss} needs {key}")
-            value = _tensor(f"{where}.loss_fn_inputs.{key}", datum.loss_fn_inputs[key])
-            if value.size != n:
-                raise InvalidInput(f"{where}.loss_fn_inputs.{key}", f"has {value.size} values for {n} input tokens")
-            inputs[key] = value
+        _check_input_keys(where, loss, keys)
+        inputs = {key: _tensor(f"{where}.loss_fn_inputs.{key}", datum.loss_fn_inputs[key], key, n) for key in keys}
         target = [int(t) for t in inputs["target_tokens"]]
         if tokens[1:] != target[:-1]:
             raise InvalidInput(
@@ -149,12 +235,13 @@ def forward_request_to_floe(request: Any) -> FloeCall:
                 "(model_input = seq[:-1], target_tokens = seq[1:])",
             )
         if loss == "cross_entropy":
-            weights = [float(w) for w in inputs["weights"]]
+            weights = [float(w) for w in inputs["weights"]] if "weights" in inputs else [1.0] * n
             signed = signed or any(w < 0 for w in weights)
             sample = Sample(tokens=target, weights=weights)
         else:
             sample = Sample(tokens=target, logprobs=[float(x) for x in inputs["logprobs"]],
-                            advantage=[float(x) for x in inputs["advantages"]])
+                            advantage=[float(x) for x in inputs["advantages"]],
+                            weights=_gspo_weights(where, inputs) if loss == "gspo" else None)
         groups.append(Group(prompt=tokens[:1], samples=[sample]))
     if signed:  # −w·logp with signed w: dro at beta 0 (see the module docstring)
         for g in groups:
@@ -179,6 +266,28 @@ def forward_output(logprobs: list[list[float]], metrics: dict[str, float]) -> by
     for key, value in metrics.items():
         out.metrics[key] = float(value)
     return out.SerializeToString()
+
+
+# -- create_model ---------------------------------------------------------------------------
+
+LORA_KEYS = ("rank", "seed", "train_unembed", "train_mlp", "train_attn")
+
+
+def lora_spec(raw: Any) -> LoraSpec:
+    """A checked LoraSpec from the request's `lora_config` (absent: rank 32, every module family):
+    rank and seed integers, the train_* switches real booleans (the string "no" is not false),
+    unknown keys refused; InvalidInput naming the `lora_config` field."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise InvalidInput("lora_config", f"must be an object, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(LORA_KEYS))
+    if unknown:
+        raise InvalidInput(f"lora_config.{unknown[0]}", f"unknown key; allowed: {list(LORA_KEYS)}")
+    spec = LoraSpec(rank=raw.get("rank", 32), seed=raw.get("seed"), train_attn=raw.get("train_attn", True),
+                    train_mlp=raw.get("train_mlp", True), train_unembed=raw.get("train_unembed", True))
+    spec.check()
+    return spec
 
 
 def sampling_params(raw: Any, prompt_len: int, max_context: int) -> SamplingParams:

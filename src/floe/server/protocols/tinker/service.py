@@ -183,31 +183,27 @@ class TinkerService:
     def create_model(self, body: dict[str, Any]) -> dict[str, Any]:
         def job(model_id: str) -> Reply:
             self.check_base_model(body.get("base_model"))
-            lora = body.get("lora_config") or {}
-            optimizer = (body.get("optimizer_config") or {"type": "adamw"}).get("type")
+            optimizer_config = body.get("optimizer_config") or {"type": "adamw"}
+            optimizer = optimizer_config.get("type") if isinstance(optimizer_config, dict) else optimizer_config
             if optimizer != "adamw":
                 raise InvalidInput("optimizer_config.type", f"floe trains with adamw only, got {optimizer!r}")
-            unknown = sorted(set(lora) - {"rank", "seed", "train_unembed", "train_mlp", "train_attn"})
-            if unknown:
-                raise InvalidInput(f"lora_config.{unknown[0]}", "unknown key")
+            spec = convert.lora_spec(body.get("lora_config"))  # types checked: "no" is not false
             if self.runs.full_finetune:
-                self._check_full_finetune(lora)
+                self._check_full_finetune(spec)
                 self.runs.create_run(model_id, None, body.get("user_metadata"))
                 return json_reply({"type": "create_model", "model_id": model_id})
-            spec = LoraSpec(rank=lora.get("rank", 32), seed=lora.get("seed"), train_attn=lora.get("train_attn", True),
-                            train_mlp=lora.get("train_mlp", True), train_unembed=lora.get("train_unembed", True))
             self.runs.create_run(model_id, spec, body.get("user_metadata"))
             return json_reply({"type": "create_model", "model_id": model_id})
 
         return self._new_run(body, job)
 
     @staticmethod
-    def _check_full_finetune(lora: dict[str, Any]) -> None:
+    def _check_full_finetune(spec: LoraSpec) -> None:
         """The SDK always sends a lora_config; under `tinker_full_finetune` its rank and seed do
         not apply (every weight trains, none is initialised), and switching a module family off
         is refused (a full run trains them all)."""
         for key in ("train_attn", "train_mlp", "train_unembed"):
-            if lora.get(key, True) is not True:
+            if getattr(spec, key) is not True:
                 raise InvalidInput(f"lora_config.{key}", "this server trains full fine-tune runs ([server] "
                                    "tinker_full_finetune = true), which train every weight; leave it true")
 
@@ -278,11 +274,9 @@ class TinkerService:
 
         def job() -> Reply:
             if raw is None:
-                raise InvalidInput("adam_params", "floe trains with AdamW: send adam_params (AdamParams)")
-            unknown = sorted(set(raw) - {"learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm", "type"})
-            if unknown:
-                raise InvalidInput(f"adam_params.{unknown[0]}", "unknown key")
-            step = AdamStep(**{k: float(v) for k, v in raw.items() if k != "type"})
+                raise InvalidInput("adam_params", "floe trains with AdamW: send adam_params (AdamParams; "
+                                   f"optimizer_params {body.get('optimizer_params')!r} are not served)")
+            step = AdamStep.from_json(raw)  # finite, in range; a refused step changes nothing
             result = self.runs.optim_step(model_id, step)
             return json_reply({"type": "optim_step", "metrics": {
                 "grad_norm:mean": result.grad_norm, "learning_rate:mean": result.lr, "step:max": float(result.step),
