@@ -3,6 +3,7 @@ and the per-run ordering of requests by seq_id."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -385,3 +386,159 @@ def test_lora_config_defaults_and_false_switches() -> None:
     spec = convert.lora_spec({"rank": 4, "seed": 3, "train_attn": False})
     assert (spec.rank, spec.seed, spec.train_attn, spec.train_mlp, spec.train_unembed) == (4, 3, False, True, True)
     assert convert.lora_spec(None).rank == 32
+
+
+# -- asample: every field the SDK sends -------------------------------------------------------
+
+VOCAB, CONTEXT = 100, 64
+
+
+def _body(**fields):
+    body = {"sampling_session_id": "s:sample:0", "seq_id": 0, "num_samples": 1, "type": "sample",
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7, 8, 9]}]},
+            "sampling_params": {"max_tokens": 4, "temperature": 1.0, "top_k": -1, "top_p": 1.0},
+            "prompt_logprobs": False, "topk_prompt_logprobs": 0, "topk_sample_logprobs": 0, "prompt_alt_tokens_k": 0,
+            "record_stability_info": False}
+    for key, value in fields.items():
+        if key.startswith("sp_"):
+            body["sampling_params"][key[3:]] = value
+        else:
+            body[key] = value
+    return body
+
+
+def _call(**fields) -> convert.SampleCall:
+    return convert.sample_request(_body(**fields), 1, VOCAB, CONTEXT)
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"prompt_logprobs": True, "prompt_logprobs_last_n": -1}, "prompt_logprobs_last_n"),
+        ({"prompt_logprobs": True, "prompt_logprobs_last_n": 0}, "prompt_logprobs_last_n"),
+        ({"prompt_logprobs": True, "prompt_logprobs_last_n": 2.5}, "prompt_logprobs_last_n"),
+        ({"prompt_logprobs": True, "prompt_logprobs_last_n": True}, "prompt_logprobs_last_n"),
+        ({"prompt_logprobs": True, "prompt_logprobs_last_n": 5}, "prompt_logprobs_last_n"),  # > len(prompt) - 1
+        ({"prompt_logprobs_last_n": 2}, "prompt_logprobs_last_n"),  # without prompt_logprobs
+        ({"prompt_logprobs": "yes"}, "prompt_logprobs"),
+        ({"topk_prompt_logprobs": 21}, "topk_prompt_logprobs"),
+        ({"topk_prompt_logprobs": -1}, "topk_prompt_logprobs"),
+        ({"topk_sample_logprobs": "5"}, "topk_sample_logprobs"),
+        ({"topk_sample_logprobs": 21}, "topk_sample_logprobs"),
+        ({"prompt_alt_tokens_k": 21}, "prompt_alt_tokens_k"),
+        ({"prompt_alt_tokens_k": 1.0}, "prompt_alt_tokens_k"),
+        ({"record_stability_info": True}, "record_stability_info"),
+        ({"sp_max_tokens": 0}, "sampling_params.max_tokens"),
+        ({"sp_max_tokens": "8"}, "sampling_params.max_tokens"),
+        ({"sp_max_tokens": True}, "sampling_params.max_tokens"),
+        ({"sp_max_tokens": 60}, "sampling_params.max_tokens"),  # 5 + 60 > the context of 64
+        ({"sp_temperature": float("nan")}, "sampling_params.temperature"),
+        ({"sp_temperature": "hot"}, "sampling_params.temperature"),
+        ({"sp_temperature": -0.5}, "sampling_params.temperature"),
+        ({"sp_top_p": 0.0}, "sampling_params.top_p"),
+        ({"sp_top_k": -2}, "sampling_params.top_k"),
+        ({"sp_seed": -1}, "sampling_params.seed"),
+        ({"sp_seed": 2**63}, "sampling_params.seed"),
+        ({"sp_stop": [1, "x"]}, "sampling_params.stop"),
+        ({"some_future_field": 3}, "some_future_field"),
+    ],
+)
+def test_sampling_fields_are_type_checked_and_bounded(fields, field) -> None:
+    with pytest.raises(InvalidInput) as err:
+        _call(**fields)
+    assert err.value.field == field
+
+
+@pytest.mark.parametrize("value", [0, 1.5, "2", True, None, 1025])
+def test_num_samples_is_an_integer_in_range(value) -> None:
+    with pytest.raises(InvalidInput) as err:
+        convert.num_samples(value)
+    assert err.value.field == "num_samples"
+    assert convert.num_samples(1024) == 1024
+
+
+def test_a_valid_request_is_served_as_asked() -> None:
+    call = _call(prompt_logprobs=True, prompt_logprobs_last_n=2, topk_prompt_logprobs=20, topk_sample_logprobs=3,
+                 prompt_alt_tokens_k=4, sp_seed=7, sp_top_k=-1, some_future_flag=False)
+    assert (call.prompt, call.last_n, call.topk_prompt, call.topk_sample, call.alt_k) == ([5, 6, 7, 8, 9], 2, 20, 3, 4)
+    assert call.params.seed == 7 and call.params.top_k == 0 and call.params.max_tokens == 4
+    assert call.scores_prompt_distribution
+    assert convert.prompt_logprobs_row([-1.0, -2.0, -3.0, -4.0], 2)[3:] == [-3.0, -4.0]
+    assert all(math.isnan(v) for v in convert.prompt_logprobs_row([-1.0, -2.0, -3.0, -4.0], 2)[:3])
+
+
+def _targets(ids, sparse: bool = False):
+    arr = np.asarray(ids, dtype=np.int64)
+    if not sparse:
+        return {"data": arr.reshape(-1).tolist(), "dtype": "int64", "shape": list(arr.shape)}
+    crow, col, data = [0], [], []
+    for row in arr:
+        for j, v in enumerate(row):
+            if v != -1:
+                col.append(j)
+                data.append(int(v))
+        crow.append(len(data))
+    return {"data": data, "dtype": "int64", "shape": list(arr.shape), "sparse_crow_indices": crow,
+            "sparse_col_indices": col}
+
+
+@pytest.mark.parametrize(
+    ("raw", "match"),
+    [
+        (dict(_targets([[1]] * 4), dtype="float32"), "int64"),
+        ({"data": [1, 2, 3, 4], "dtype": "int64", "shape": [4]}, "2-D"),
+        (_targets([[1]] * 3), "4 rows"),
+        (_targets([[-1]] * 4), "names no token id"),
+        (_targets([[1], [2], [VOCAB], [3]]), "outside the vocabulary"),
+        (_targets([[i for i in range(21)]] * 4), "21 distinct"),
+        (dict(_targets([[1, -1]] * 4, sparse=True), sparse_col_indices=[5, 5, 5, 5]), "sparse CSR"),
+    ],
+)
+def test_target_prompt_logprobs_is_checked_as_the_sdk_documents_it(raw, match) -> None:
+    with pytest.raises(InvalidInput, match=match):
+        _call(target_prompt_logprobs=raw)
+
+
+def test_sample_output_fills_every_field_the_sdk_decodes() -> None:
+    """A response with everything asked for decodes through the schema as the SDK reads it:
+    sentinel rows (id 0, -99999) where nothing was scored, the request's target layout kept."""
+    from floe.backend.runs import PromptScores
+    from floe.types import SampledGroup, SampledSequence
+
+    ids = [[10, -1], [-1, -1], [11, 12], [-1, 13]]
+    for sparse in (False, True):
+        call = _call(prompt_logprobs=True, prompt_logprobs_last_n=3, topk_prompt_logprobs=2, topk_sample_logprobs=2,
+                     prompt_alt_tokens_k=3, target_prompt_logprobs=_targets(ids, sparse))
+        scores = PromptScores(
+            topk_ids=np.arange(8).reshape(4, 2), topk_logprobs=-np.arange(8, dtype=np.float32).reshape(4, 2),
+            target_logprobs=np.full((4, 2), -2.5, dtype=np.float32), alt_tokens=np.ones((4, 3), dtype=np.int64),
+            alt_logprobs=np.full((4, 3), -0.25, dtype=np.float32),
+        )
+        group = SampledGroup([5, 6, 7, 8, 9], [SampledSequence(tokens=[3, 4], logprobs=[-0.5, -0.25], stop_reason="stop_token", weights_version=1,
+                                              top_logprobs=[[(3, -0.5)], [(4, -0.25), (9, -3.0)]])])
+        prompt_lp = convert.prompt_logprobs_row([-1.0, -2.0, -3.0, -4.0], call.last_n)
+        out = schema.SampleResponse()
+        out.ParseFromString(convert.sample_output(group, call, prompt_lp, scores))
+        seq = out.sequences[0]
+        topk_s = np.frombuffer(seq.topk_sampled_logprobs.logprobs, dtype=np.float32).reshape(2, 2)
+        assert topk_s[0].tolist() == [-0.5, convert.TOPK_MASK_LOGPROB]  # an empty slot is the SDK's sentinel
+        lp = np.frombuffer(out.prompt_logprobs, dtype=np.float32)
+        assert np.isnan(lp[:2]).all() and lp[2:].tolist() == [-2.0, -3.0, -4.0]
+        tp = out.topk_prompt_logprobs
+        assert (tp.length, tp.k) == (5, 2)
+        tp_ids = np.frombuffer(tp.token_ids, dtype=np.int32).reshape(5, 2)
+        tp_lps = np.frombuffer(tp.logprobs, dtype=np.float32).reshape(5, 2)
+        assert (tp_ids[:2] == 0).all() and (tp_lps[:2] == convert.TOPK_MASK_LOGPROB).all()  # position 0, before last_n
+        assert tp_ids[2:].tolist() == [[2, 3], [4, 5], [6, 7]] and tp_lps[4].tolist() == [-6.0, -7.0]
+        target = out.target_prompt_logprobs
+        assert list(target.shape) == [4, 2] and target.dtype == schema.DTYPE_FLOAT32
+        if sparse:
+            assert target.HasField("sparse_csr")
+            assert np.frombuffer(target.sparse_csr.values, dtype=np.float32).tolist() == [-2.5] * 4
+            assert np.frombuffer(target.sparse_csr.crow_indices, dtype=np.int64).tolist() == [0, 1, 1, 3, 4]
+        else:
+            dense = np.frombuffer(target.dense, dtype=np.float32).reshape(4, 2)
+            assert dense.tolist() == [[-2.5, 0.0], [0.0, 0.0], [-2.5, -2.5], [0.0, -2.5]]  # 0.0 where -1 was asked
+        alt = out.prompt_alt_tokens
+        assert list(alt.tokens.shape) == [4, 3] and alt.tokens.dtype == schema.DTYPE_INT64
+        assert np.frombuffer(alt.logprobs.dense, dtype=np.float32).tolist() == [-0.25] * 12

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -54,7 +55,7 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel, PreTrain
 from floe.atomic import atomic_directory, recover
 from floe.backend.policy import PolicyZone
 from floe.backend.sampler import prompt_seeds
-from floe.backend.scoring import score_batch
+from floe.backend.scoring import next_token_logits, score_batch
 from floe.backend.state import ZoneState, read_state, write_state
 from floe.backend.validation import validate_batch, validate_prompts
 from floe.compute.losses import resolve_loss
@@ -63,6 +64,7 @@ from floe.errors import InvalidInput, StateError
 from floe.models import load_model
 from floe.models.loading import context_length
 from floe.models.lora import AdapterHost, LoraSpec, load_tensors
+from floe.sampler.noise import derive, derive_tensor, uniforms
 from floe.sampler.torch_engine import TorchEngine
 from floe.types import (
     Batch,
@@ -585,16 +587,18 @@ class RunManager:
             host.activate(sampler.weights)
             yield
 
+    def draw_seed(self) -> int:
+        """A seed for a call that gave none (from the manager's generator, seeded by the config)."""
+        with self._load_lock:
+            return int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
+
     def sample(self, sampler: SamplerInfo, prompt: list[int], n: int, params: SamplingParams) -> SampledGroup:
         """n samples of `prompt` with the sampler's weights, stamped with its version."""
         validate_prompts([prompt], n, params, self.vocab_size, self.max_context)
         frozen = self._frozen_model(sampler) if sampler.full else None
         engine = frozen.engine if frozen is not None else self._engine_for()
         engine.validate([prompt], n, params)
-        seed = params.seed
-        if seed is None:
-            with self._load_lock:
-                seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
+        seed = params.seed if params.seed is not None else self.draw_seed()
         if frozen is not None:  # a frozen whole model: nothing to switch, nothing to lock
             return engine.generate([prompt], n, params, prompt_seeds(seed, 1), sampler.version)[0]
         with self._on(sampler):
@@ -613,6 +617,103 @@ class RunManager:
         with self._on(sampler), torch.no_grad():
             model = self.host.view(sampler.weights) if sampler.weights is not None else self.host.model
             return score_batch(model, batch, 1.0, False, self.compute).logprobs[0][0]  # type: ignore[arg-type]
+
+    def prompt_scores(
+        self, sampler: SamplerInfo, prompt: list[int], topk: int = 0, target_ids: np.ndarray | None = None,
+        alt_k: int = 0, temperature: float = 1.0, seed: int | None = None,
+    ) -> PromptScores:
+        """What the next-token distributions along `prompt` say, under the sampler's weights, one
+        row per prompt position i >= 1 (row i - 1, the distribution after prompt[:i]), by floe's
+        scoring (`scoring.next_token_logits`, one forward):
+        * `topk`: the `topk` most likely tokens and their log-probs (temperature 1, like
+          `prompt_logprobs`), most likely first;
+        * `target_ids` [len(prompt) - 1, K] int64: the log-prob of each named id at its row
+          (temperature 1; 0.0 where the id is -1);
+        * `alt_k`: `alt_k` independent draws per row, with replacement, from the distribution at
+          `temperature` (no top-k / top-p), and their log-probs under that distribution; at
+          temperature 0 the argmax, with its temperature-1 log-prob (the sampler's rule for
+          greedy). Draws are a pure function of `seed` and the row (`floe.sampler.noise`); no
+          seed: one drawn per call.
+        Checks are the caller's (floe.server.protocols.tinker.convert.sample_request)."""
+        validate_prompts([prompt], 1, SamplingParams(max_tokens=1), self.vocab_size, self.max_context)
+        rows = len(prompt) - 1
+        if alt_k and seed is None:
+            seed = self.draw_seed()
+        parts: dict[str, list[torch.Tensor]] = {"topk_ids": [], "topk_logprobs": [], "target_logprobs": [],
+                                                "alt_tokens": [], "alt_logprobs": []}
+        ids_t = torch.as_tensor(target_ids) if target_ids is not None else None
+
+        def consume(model: Any) -> None:
+            for start, logits in next_token_logits(model, prompt, self.compute.logprob_chunk_tokens):
+                logp = torch.log_softmax(logits, dim=-1)
+                if topk:
+                    values, index = torch.topk(logp, min(topk, logp.shape[-1]), dim=-1)
+                    parts["topk_ids"].append(index.cpu())
+                    parts["topk_logprobs"].append(values.cpu())
+                if ids_t is not None:
+                    cells = ids_t[start : start + logits.shape[0]].to(logp.device)
+                    got = logp.gather(-1, cells.clamp_min(0)).masked_fill(cells < 0, 0.0)
+                    parts["target_logprobs"].append(got.cpu())
+                if alt_k:
+                    assert seed is not None
+                    tokens, lps = _alt_draws(logits, logp, alt_k, temperature, seed, start)
+                    parts["alt_tokens"].append(tokens.cpu())
+                    parts["alt_logprobs"].append(lps.cpu())
+
+        with torch.no_grad():
+            if sampler.full:
+                consume(self._frozen_model(sampler).model)
+            else:
+                with self._on(sampler):
+                    consume(self.host.view(sampler.weights) if sampler.weights is not None else self.host.model)
+
+        def joined(name: str, width: int, dtype: Any) -> np.ndarray:
+            if not parts[name]:
+                return np.zeros((rows, width), dtype=dtype)
+            return torch.cat(parts[name]).numpy().astype(dtype)
+
+        k_targets = target_ids.shape[1] if target_ids is not None else 0
+        return PromptScores(
+            topk_ids=joined("topk_ids", topk, np.int64) if topk else None,
+            topk_logprobs=joined("topk_logprobs", topk, np.float32) if topk else None,
+            target_logprobs=joined("target_logprobs", k_targets, np.float32) if target_ids is not None else None,
+            alt_tokens=joined("alt_tokens", alt_k, np.int64) if alt_k else None,
+            alt_logprobs=joined("alt_logprobs", alt_k, np.float32) if alt_k else None,
+        )
+
+
+ALT_STREAM = 0x616C74  # "alt": the counter that separates alternative-token draws from sampling's
+
+
+def _alt_draws(
+    logits: torch.Tensor, logp: torch.Tensor, k: int, temperature: float, seed: int, first_row: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """k draws per row of `logits` [C, V] (prompt rows first_row ..): inverse transform sampling
+    with uniforms keyed by (seed, row), as `noise.sample_categorical` draws one; their log-probs
+    under the distribution drawn from. Temperature 0: the argmax k times (`logp` is the
+    temperature-1 log-softmax)."""
+    if temperature == 0:
+        chosen = logits.argmax(dim=-1, keepdim=True).expand(-1, k)
+        return chosen, logp.gather(-1, chosen)
+    scaled = torch.log_softmax(logits / temperature, dim=-1)
+    rows = torch.arange(first_row, first_row + logits.shape[0], device=logits.device)
+    keys = derive_tensor(torch.full_like(rows, derive(seed, ALT_STREAM)), rows)
+    u = uniforms(keys, k)  # [C, k]
+    cdf = torch.softmax(logits.double() / temperature, dim=-1).cumsum(dim=-1)
+    chosen = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_max(logits.shape[-1] - 1)
+    return chosen, scaled.gather(-1, chosen)
+
+
+@dataclass(frozen=True)
+class PromptScores:
+    """`RunManager.prompt_scores`' results as numpy arrays, one row per prompt position after
+    the first (row i = position i + 1); None where not asked."""
+
+    topk_ids: np.ndarray | None = None  # [L - 1, k] int64, most likely first
+    topk_logprobs: np.ndarray | None = None  # [L - 1, k] float32
+    target_logprobs: np.ndarray | None = None  # [L - 1, K] float32, 0.0 at cells of -1
+    alt_tokens: np.ndarray | None = None  # [L - 1, k] int64
+    alt_logprobs: np.ndarray | None = None  # [L - 1, k] float32
 
 
 _RELEASED = ("this sampler's weights were released (its run closed, or too many newer snapshots of it); "

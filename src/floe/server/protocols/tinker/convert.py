@@ -29,14 +29,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from itertools import pairwise
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from floe.backend.validation import MAX_TOP_LOGPROBS, SEED_LIMIT
 from floe.errors import InvalidInput
 from floe.models.lora import LoraSpec
 from floe.server.protocols.tinker import schema
 from floe.types import Batch, Group, Sample, SampledGroup, SamplingParams
+
+if TYPE_CHECKING:
+    from floe.backend.runs import PromptScores
 
 RL_LOSSES = ("importance_sampling", "ppo", "cispo", "gspo", "dro")
 SUPPORTED_LOSSES = ("cross_entropy", *RL_LOSSES)
@@ -290,9 +295,49 @@ def lora_spec(raw: Any) -> LoraSpec:
     return spec
 
 
+# -- sampling -------------------------------------------------------------------------------
+
+MAX_NUM_SAMPLES = 1024  # samples per asample request
+MAX_TOPK = MAX_TOP_LOGPROBS  # top-k widths (prompt and sample), alternative draws, distinct target ids
+TOPK_MASK_LOGPROB = -99999.0  # the SDK's sentinel for an empty top-k slot (token id 0), tinker.types.topk_logprobs
+SAMPLE_KEYS = frozenset({
+    "sampling_session_id", "seq_id", "num_samples", "prompt", "sampling_params", "base_model", "model_path",
+    "prompt_logprobs", "topk_prompt_logprobs", "topk_sample_logprobs", "target_prompt_logprobs",
+    "prompt_alt_tokens_k", "prompt_logprobs_last_n", "record_stability_info", "type",
+})
+RECORD_STABILITY_REFUSED = ("stability information is what Tinker's stable_reinforce loss trains on, and floe does "
+                            "not serve that loss (its definition is not published); create the sampling client "
+                            "without record_stability_info and train with importance_sampling, ppo, cispo or gspo")
+
+
+def num_samples(value: Any) -> int:
+    """`num_samples` of an asample request: an integer in [1, MAX_NUM_SAMPLES]."""
+    return _int_in("num_samples", value, 1, MAX_NUM_SAMPLES)
+
+
+def _chunk_tokens(k: int, chunk: Any) -> list[int]:
+    if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
+        raise InvalidInput(f"prompt.chunks[{k}]", "only encoded_text chunks are supported by floe")
+    tokens = chunk.get("tokens")
+    if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+        raise InvalidInput(f"prompt.chunks[{k}].tokens", "must be a list of token ids")
+    return tokens
+
+
+def prompt_tokens(raw: Any) -> list[int]:
+    """The request's `prompt` (a ModelInput: text chunks) as one list of token ids."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("chunks"), list):
+        raise InvalidInput("prompt", "must be a ModelInput object with a list of chunks")
+    tokens = [t for k, chunk in enumerate(raw["chunks"]) for t in _chunk_tokens(k, chunk)]
+    if not tokens:
+        raise InvalidInput("prompt", "is empty")
+    return tokens
+
+
 def sampling_params(raw: Any, prompt_len: int, max_context: int) -> SamplingParams:
     """floe SamplingParams from the request's `sampling_params` JSON (stop absent = at EOS;
-    [] = never; strings = stop strings; ints = stop token ids; top_k -1 = off)."""
+    [] = never; strings = stop strings; ints = stop token ids; top_k -1 = off), every field
+    type-checked and bounded; InvalidInput naming `sampling_params.<field>`."""
     if not isinstance(raw, dict):
         raise InvalidInput("sampling_params", "must be an object")
     known = {"max_tokens", "seed", "stop", "temperature", "top_k", "top_p"}
@@ -316,37 +361,225 @@ def sampling_params(raw: Any, prompt_len: int, max_context: int) -> SamplingPara
             raise InvalidInput("sampling_params.stop", "a string, a list of strings or a list of token ids")
     elif stop is not None:
         raise InvalidInput("sampling_params.stop", "a string, a list of strings or a list of token ids")
+    room = max_context - prompt_len
+    if room < 1:
+        raise InvalidInput("prompt", f"has {prompt_len} tokens; the model's context is {max_context}, which leaves no "
+                                     "room to generate: shorten the prompt")
     max_tokens = raw.get("max_tokens")
     if max_tokens is None:
-        max_tokens = max(1, max_context - prompt_len)
+        max_tokens = room
+    _int_in("sampling_params.max_tokens", max_tokens, 1, room,
+            f" (the prompt's {prompt_len} tokens leave {room} of the model's context of {max_context})")
+    temperature = finite_number("sampling_params.temperature", raw.get("temperature", 1.0))
+    if temperature < 0:
+        raise InvalidInput("sampling_params.temperature", f"must be >= 0 (0 = greedy), got {temperature}")
+    top_p = finite_number("sampling_params.top_p", raw.get("top_p", 1.0))
+    if not 0 < top_p <= 1:
+        raise InvalidInput("sampling_params.top_p", f"must be in (0, 1], got {top_p}")
     top_k = raw.get("top_k", -1)
+    _int_in("sampling_params.top_k", top_k, -1, 2**31 - 1, " (-1 = no limit)")
+    seed = raw.get("seed")
+    if seed is not None:
+        _int_in("sampling_params.seed", seed, 0, SEED_LIMIT - 1)
     return SamplingParams(
-        max_tokens=max_tokens, temperature=raw.get("temperature", 1.0), top_p=raw.get("top_p", 1.0),
-        top_k=0 if top_k == -1 else top_k, stop_token_ids=stop_ids, stop=stop_strings, seed=raw.get("seed"),
-        stop_at_eos=at_eos,
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=0 if top_k == -1 else top_k,
+        stop_token_ids=stop_ids, stop=stop_strings, seed=seed, stop_at_eos=at_eos,
     )
 
 
-def _topk(msg: Any, rows: list[list[tuple[int, float]]], k: int) -> None:
+@dataclass(frozen=True)
+class TargetIds:
+    """`target_prompt_logprobs` of a request: `ids` [len(prompt) - 1, K] int64 (-1 = no cell),
+    and, when it came sparse, its CSR layout (the response uses the same)."""
+
+    ids: np.ndarray
+    crow: np.ndarray | None = None
+    col: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class SampleCall:
+    """A checked asample request."""
+
+    prompt: list[int]
+    num_samples: int
+    params: SamplingParams
+    prompt_logprobs: bool = False
+    last_n: int | None = None  # prompt_logprobs_last_n
+    topk_prompt: int = 0
+    topk_sample: int = 0
+    targets: TargetIds | None = None
+    alt_k: int = 0  # prompt_alt_tokens_k
+
+    @property
+    def scores_prompt_distribution(self) -> bool:
+        """Whether the request needs the next-token distributions along the prompt."""
+        return bool(self.topk_prompt or self.targets is not None or self.alt_k)
+
+
+def _flag(body: dict[str, Any], key: str) -> bool:
+    value = body.get(key)
+    if value is None:
+        return False
+    if type(value) is not bool:
+        raise InvalidInput(key, f"must be true or false, got {value!r}")
+    return value
+
+
+def _target_ids(raw: Any, rows: int, vocab_size: int) -> TargetIds:
+    """The `target_prompt_logprobs` TensorData JSON (dense or sparse CSR) checked as the SDK
+    documents it: int64, 2-D, exactly len(prompt) - 1 rows, at least one id, ids in [0, vocab)
+    or -1, at most MAX_TOPK distinct ids (the cost len(prompt) * distinct ids bounded like a
+    top-k width)."""
+    field = "target_prompt_logprobs"
+    if not isinstance(raw, dict):
+        raise InvalidInput(field, "must be a TensorData object (data, dtype, shape)")
+    if raw.get("dtype") != "int64":
+        raise InvalidInput(f"{field}.dtype", f"must be int64 (token ids), got {raw.get('dtype')!r}")
+    shape = raw.get("shape")
+    if not isinstance(shape, list) or len(shape) != 2 or not all(type(s) is int and s >= 0 for s in shape):
+        raise InvalidInput(f"{field}.shape", f"must be 2-D, [len(prompt) - 1, K], got {shape!r}")
+    if shape[0] != rows:
+        raise InvalidInput(f"{field}.shape", f"must have len(prompt) - 1 = {rows} rows, got {shape[0]}")
+    data = raw.get("data")
+    if not isinstance(data, list) or not all(type(v) is int for v in data):
+        raise InvalidInput(f"{field}.data", "must be a list of integer token ids")
+    crow_raw, col_raw = raw.get("sparse_crow_indices"), raw.get("sparse_col_indices")
+    if (crow_raw is None) != (col_raw is None):
+        raise InvalidInput(field, "sparse_crow_indices and sparse_col_indices come together")
+    ids = np.full(shape, -1, dtype=np.int64)
+    crow = col = None
+    if crow_raw is None:
+        if len(data) != shape[0] * shape[1]:
+            raise InvalidInput(f"{field}.data", f"has {len(data)} values for shape {shape}")
+        ids[...] = np.asarray(data, dtype=np.int64).reshape(shape)
+    else:
+        ok = (isinstance(crow_raw, list) and isinstance(col_raw, list) and len(crow_raw) == rows + 1
+              and all(type(v) is int for v in crow_raw + col_raw) and crow_raw[0] == 0
+              and all(a <= b for a, b in pairwise(crow_raw)) and crow_raw[-1] == len(data) == len(col_raw)
+              and all(0 <= c < shape[1] for c in col_raw))
+        if not ok:
+            raise InvalidInput(field, "sparse CSR layout does not fit its shape and data (crow: rows + 1 pointers "
+                                      "from 0 to len(data); col: one column in [0, K) per value)")
+        crow, col = np.asarray(crow_raw, dtype=np.int64), np.asarray(col_raw, dtype=np.int64)
+        for r in range(rows):
+            ids[r, col[crow[r]:crow[r + 1]]] = data[crow[r]:crow[r + 1]]
+    named = ids[ids != -1]
+    if named.size == 0:
+        raise InvalidInput(field, "names no token id (every cell is -1)")
+    if named.min() < 0 or named.max() >= vocab_size:
+        bad = int(named.min() if named.min() < 0 else named.max())
+        raise InvalidInput(f"{field}.data", f"token id {bad} is outside the vocabulary [0, {vocab_size}) (-1 = no cell)")
+    distinct = np.unique(named).size
+    if distinct > MAX_TOPK:
+        raise InvalidInput(field, f"names {distinct} distinct token ids; at most {MAX_TOPK} (the cost, len(prompt) * "
+                                  "distinct ids, is bounded like a top-k width): split the request")
+    return TargetIds(ids, crow, col)
+
+
+def sample_request(body: dict[str, Any], n: int, vocab_size: int, max_context: int) -> SampleCall:
+    """A checked asample request body (n = its checked num_samples). Every field the SDK sends is
+    served or refused naming it: unknown keys with a value set are refused, and
+    record_stability_info=true is (RECORD_STABILITY_REFUSED)."""
+    for key in sorted(set(body) - SAMPLE_KEYS):
+        if body[key] not in (None, False, 0, "", [], {}):
+            raise InvalidInput(key, "unknown sampling field; floe serves " + ", ".join(sorted(SAMPLE_KEYS - {"type"})))
+    if _flag(body, "record_stability_info"):
+        raise InvalidInput("record_stability_info", RECORD_STABILITY_REFUSED)
+    prompt = prompt_tokens(body.get("prompt"))
+    params = sampling_params(body.get("sampling_params") or {}, len(prompt), max_context)
+    want_prompt = _flag(body, "prompt_logprobs")
+    last_n = body.get("prompt_logprobs_last_n")
+    if last_n is not None:
+        if not want_prompt:
+            raise InvalidInput("prompt_logprobs_last_n", "applies to prompt logprobs; set prompt_logprobs "
+                                                         "(include_prompt_logprobs=True)")
+        if len(prompt) < 2:
+            raise InvalidInput("prompt_logprobs_last_n", "a 1-token prompt has no scored positions")
+        _int_in("prompt_logprobs_last_n", last_n, 1, len(prompt) - 1, " (1 .. len(prompt) - 1)")
+    topk_prompt, topk_sample, alt_k = (
+        _int_in(key, 0 if body.get(key) is None else body[key], 0, MAX_TOPK, " (0 = none)")
+        for key in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k")
+    )
+    raw_targets = body.get("target_prompt_logprobs")
+    targets = None if raw_targets is None else _target_ids(raw_targets, len(prompt) - 1, vocab_size)
+    return SampleCall(prompt, n, params, want_prompt, last_n, topk_prompt, topk_sample, targets, alt_k)
+
+
+def prompt_logprobs_row(values: list[float], last_n: int | None) -> list[float]:
+    """The response's prompt_logprobs (NaN at position 0) with NaN before the last `last_n`."""
+    row = [float("nan")] + values
+    if last_n is not None:
+        row = [float("nan")] * (len(row) - last_n) + row[len(row) - last_n:]
+    return row
+
+
+def _topk(msg: Any, ids: np.ndarray, logprobs: np.ndarray) -> None:
+    """Fill a `TopkLogprobs` from [length, k] ids and log-probs (sentinel slots: id 0,
+    TOPK_MASK_LOGPROB)."""
+    length, k = ids.shape
+    msg.token_ids = np.ascontiguousarray(ids, dtype=np.int32).tobytes()
+    msg.logprobs = np.ascontiguousarray(logprobs, dtype=np.float32).tobytes()
+    msg.k, msg.length = k, length
+
+
+def _sampled_topk(rows: list[list[tuple[int, float]]], k: int) -> tuple[np.ndarray, np.ndarray]:
     ids = np.zeros((len(rows), k), dtype=np.int32)
-    lps = np.full((len(rows), k), -np.inf, dtype=np.float32)
+    lps = np.full((len(rows), k), TOPK_MASK_LOGPROB, dtype=np.float32)
     for r, row in enumerate(rows):
         for j, (tok, lp) in enumerate(row[:k]):
             ids[r, j], lps[r, j] = tok, lp
-    msg.token_ids, msg.logprobs, msg.k, msg.length = ids.tobytes(), lps.tobytes(), k, len(rows)
+    return ids, lps
 
 
-def sample_output(group: SampledGroup, prompt_logprobs: list[float] | None, topk_sample: int) -> bytes:
-    """`SampleResponse` for one prompt's samples (`prompt_logprobs`: NaN where not scored)."""
+def _dense(msg: Any, array: np.ndarray, dtype: int) -> None:
+    msg.dtype = dtype
+    msg.shape.extend(array.shape)
+    msg.dense = np.ascontiguousarray(array).tobytes()
+
+
+def sample_output(group: SampledGroup, call: SampleCall, prompt_logprobs: list[float] | None = None,
+                  scores: PromptScores | None = None) -> bytes:
+    """`SampleResponse` for one prompt's samples, with every field the SDK decodes that the
+    request asked for: per sequence tokens, log-probs, stop reason, top-k; prompt_logprobs
+    (NaN where not scored), topk_prompt_logprobs ([len(prompt), k]: row 0 and rows before
+    the last `prompt_logprobs_last_n` are sentinel rows), target_prompt_logprobs (the request's
+    shape and layout), prompt_alt_tokens, prompt_cache_hit_tokens (0: floe has no prefix cache)."""
     out = schema.SampleResponse()
     for s in group.samples:
         seq = out.sequences.add()
         seq.stop_reason = schema.STOP_REASON_LENGTH if s.stop_reason == "length" else schema.STOP_REASON_STOP
         seq.tokens = np.asarray(s.tokens, dtype=np.int32).tobytes()
         seq.logprobs = np.asarray(s.logprobs, dtype=np.float32).tobytes()
-        if topk_sample and s.top_logprobs is not None:
-            _topk(seq.topk_sampled_logprobs, s.top_logprobs, topk_sample)
+        if call.topk_sample and s.top_logprobs is not None:
+            _topk(seq.topk_sampled_logprobs, *_sampled_topk(s.top_logprobs, call.topk_sample))
     if prompt_logprobs is not None:
         out.prompt_logprobs = np.asarray(prompt_logprobs, dtype=np.float32).tobytes()
+    if call.topk_prompt:
+        assert scores is not None and scores.topk_ids is not None and scores.topk_logprobs is not None
+        length, k = len(call.prompt), call.topk_prompt
+        ids = np.zeros((length, k), dtype=np.int64)
+        lps = np.full((length, k), TOPK_MASK_LOGPROB, dtype=np.float32)
+        first = 1 if call.last_n is None else length - call.last_n
+        ids[first:], lps[first:] = scores.topk_ids[first - 1:], scores.topk_logprobs[first - 1:]
+        _topk(out.topk_prompt_logprobs, ids, lps)
+    if call.targets is not None:
+        assert scores is not None and scores.target_logprobs is not None
+        values = np.where(call.targets.ids == -1, 0.0, scores.target_logprobs).astype(np.float32)
+        msg = out.target_prompt_logprobs
+        if call.targets.crow is None:
+            _dense(msg, values, schema.DTYPE_FLOAT32)
+        else:
+            assert call.targets.col is not None
+            msg.dtype = schema.DTYPE_FLOAT32
+            msg.shape.extend(values.shape)
+            rows = np.repeat(np.arange(values.shape[0]), np.diff(call.targets.crow))
+            msg.sparse_csr.values = values[rows, call.targets.col].astype(np.float32).tobytes()
+            msg.sparse_csr.crow_indices = call.targets.crow.tobytes()
+            msg.sparse_csr.col_indices = call.targets.col.tobytes()
+    if call.alt_k:
+        assert scores is not None and scores.alt_tokens is not None and scores.alt_logprobs is not None
+        _dense(out.prompt_alt_tokens.tokens, scores.alt_tokens.astype(np.int64), schema.DTYPE_INT64)
+        _dense(out.prompt_alt_tokens.logprobs, scores.alt_logprobs.astype(np.float32), schema.DTYPE_FLOAT32)
     out.prompt_cache_hit_tokens = 0
     return out.SerializeToString()

@@ -371,35 +371,31 @@ class TinkerService:
 
     def asample(self, body: dict[str, Any]) -> dict[str, Any]:
         sid = body.get("sampling_session_id")
-        num = body.get("num_samples", 1)
-        if type(num) is not int or num < 1:
-            raise InvalidInput("num_samples", f"must be an integer >= 1, got {num!r}")
+        num = convert.num_samples(body.get("num_samples", 1))
         rid = self.futures.new()
 
         def job() -> Reply:
             sampler = self.samplers.get(sid)  # type: ignore[arg-type]
             if sampler is None:
                 raise InvalidInput("sampling_session_id", f"no sampling session {sid!r} on this server")
-            for key in ("prompt_alt_tokens_k", "topk_prompt_logprobs"):
-                if body.get(key):
-                    raise InvalidInput(key, "not supported by floe yet")
-            for key in ("target_prompt_logprobs", "record_stability_info"):
-                if body.get(key):
-                    raise InvalidInput(key, "not supported by floe yet")
-            prompt = [t for chunk in (body.get("prompt") or {}).get("chunks", []) for t in _chunk_tokens(chunk)]
-            params = convert.sampling_params(body.get("sampling_params") or {}, len(prompt), self.runs.max_context)
-            topk = body.get("topk_sample_logprobs") or 0
-            if topk:
-                params = dataclasses.replace(params, top_logprobs=topk)
-            group = self.runs.sample(sampler.info, prompt, num, params)
+            call = convert.sample_request(body, num, self.runs.vocab_size, self.runs.max_context)
+            params = call.params
+            if call.topk_sample:
+                params = dataclasses.replace(params, top_logprobs=call.topk_sample)
+            if call.alt_k and params.seed is None:  # one seed for the samples and the alternative draws
+                params = dataclasses.replace(params, seed=self.runs.draw_seed())
+            group = self.runs.sample(sampler.info, call.prompt, call.num_samples, params)
             prompt_lp = None
-            if body.get("prompt_logprobs"):
-                values = [float("nan")] + self.runs.prompt_logprobs(sampler.info, prompt)
-                last_n = body.get("prompt_logprobs_last_n")
-                if last_n is not None:
-                    values = [float("nan")] * (len(values) - last_n) + values[len(values) - last_n:]
-                prompt_lp = values
-            return Reply(200, convert.sample_output(group, prompt_lp, topk), PROTO,
+            if call.prompt_logprobs:
+                prompt_lp = convert.prompt_logprobs_row(self.runs.prompt_logprobs(sampler.info, call.prompt), call.last_n)
+            scores = None
+            if call.scores_prompt_distribution:
+                scores = self.runs.prompt_scores(
+                    sampler.info, call.prompt, topk=call.topk_prompt,
+                    target_ids=call.targets.ids if call.targets is not None else None,
+                    alt_k=call.alt_k, temperature=params.temperature, seed=params.seed,
+                )
+            return Reply(200, convert.sample_output(group, call, prompt_lp, scores), PROTO,
                          {VERSION_HEADER: str(sampler.info.version)})
 
         self.futures.run(rid, guarded(job))
@@ -424,11 +420,3 @@ class TinkerService:
         delete_state_dir(directory)
         return True
 
-
-def _chunk_tokens(chunk: Any) -> list[int]:
-    if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
-        raise InvalidInput("prompt.chunks", "only encoded_text chunks are supported by floe")
-    tokens = chunk.get("tokens")
-    if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
-        raise InvalidInput("prompt.chunks.tokens", "must be a list of token ids")
-    return tokens
