@@ -77,7 +77,8 @@ def naive_loss(model, batch: floe.Batch, name: str, cfg: dict, aggregation: str,
         adv = s.advantage if isinstance(s.advantage, list) else [s.advantage] * n
         if name == "gspo":
             active = [t for t in range(n) if w[t] != 0]
-            seq_ratio = torch.exp(sum(logps[t] - s.logprobs[t] for t in active) / len(active))
+            log_s = sum(logps[t] - s.logprobs[t] for t in active) / len(active)
+            seq_ratio = torch.exp(log_s)
         total = 0.0
         for t in range(n):
             lp = logps[t]
@@ -95,7 +96,10 @@ def naive_loss(model, batch: floe.Batch, name: str, cfg: dict, aggregation: str,
                 elif name == "cispo":
                     loss = -r.clamp(lo, hi).detach() * A * lp
                 elif name == "gspo":
-                    loss = -torch.minimum(seq_ratio * A, seq_ratio.clamp(lo, hi) * A)
+                    ratio = seq_ratio
+                    if cfg.get("ratio_gradient") == "token":  # GSPO-token: s's value, the token's own gradient
+                        ratio = torch.exp(log_s.detach() + lp - lp.detach())
+                    loss = -torch.minimum(ratio * A, ratio.clamp(lo, hi) * A)
             if kl:
                 d = lp - s.ref_logprobs[t]
                 k = {"k1": d, "k2": 0.5 * d * d, "k3": torch.exp(-d) + d - 1}[kl[1]]
@@ -173,6 +177,26 @@ def test_gradients_match_naive_reference(client, loss, aggregation):
     assert rel_err(got, expected) < 1e-5
     assert math.isclose(result.metrics["loss"], expected_loss, rel_tol=1e-5, abs_tol=1e-6)
     assert result.loss_config["aggregation"] == aggregation
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_gspo_token_gradients_match_naive_reference(client, aggregation):
+    """gspo with ratio_gradient="token" (GSPO-token, Tinker's gspo): every token's ratio has the
+    sequence ratio's value and the gradient of its own log-prob; per-token advantages differ
+    within a sample (make_batch), which is where it differs from the sequence gradient."""
+    backend = backend_of(client)
+    model, params = backend.policy.model, backend.policy.params
+    batch = make_batch(backend.vocab_size, seed=zlib.crc32(f"gspo-token:{aggregation}".encode()) % 1000)
+    cfg = {"clip_low": 0.02, "clip_high": 0.03, "ratio_gradient": "token"}
+    expected, expected_loss = reference_grads(model, params, batch, "gspo", cfg, aggregation, None, 0.0)
+    sequence, _ = reference_grads(model, params, batch, "gspo", dict(cfg, ratio_gradient="sequence"), aggregation,
+                                  None, 0.0)
+    result = client.forward_backward(batch, "gspo", dict(cfg, aggregation=aggregation), temperature=TEMPERATURE)
+    got = take_grads(backend)
+    assert rel_err(got, expected) < 1e-5
+    assert rel_err(sequence, expected) > 1e-3  # the two gradients really differ on this batch
+    assert math.isclose(result.metrics["loss"], expected_loss, rel_tol=1e-5, abs_tol=1e-6)
+    assert result.loss_config["ratio_gradient"] == "token"
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])

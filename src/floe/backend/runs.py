@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -52,7 +54,7 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel, PreTrain
 from floe.atomic import atomic_directory, recover
 from floe.backend.policy import PolicyZone
 from floe.backend.sampler import prompt_seeds
-from floe.backend.scoring import score_batch
+from floe.backend.scoring import next_token_logits, score_batch
 from floe.backend.state import ZoneState, read_state, write_state
 from floe.backend.validation import validate_batch, validate_prompts
 from floe.compute.losses import resolve_loss
@@ -61,6 +63,7 @@ from floe.errors import InvalidInput, StateError
 from floe.models import load_model
 from floe.models.loading import context_length
 from floe.models.lora import AdapterHost, LoraSpec, load_tensors
+from floe.sampler.noise import derive, derive_tensor, uniforms
 from floe.sampler.torch_engine import TorchEngine
 from floe.types import (
     Batch,
@@ -79,10 +82,15 @@ SAMPLER_META = "floe_lora.json"
 FULL_FINETUNE_SETTING = "[server] tinker_full_finetune"
 
 
+MAX_LEARNING_RATE = 1.0  # Adam moves every weight by about lr per step: above 1 no fine-tune survives a step
+ADAM_FIELDS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+
+
 @dataclass(frozen=True)
 class AdamStep:
     """One optimizer step's AdamW hyper-parameters (Tinker's AdamParams). grad_clip_norm 0 =
-    no clipping; weight decay is decoupled (torch.optim.AdamW)."""
+    no clipping; weight decay is decoupled (torch.optim.AdamW). learning_rate 0 is a valid step
+    (warm-up schedules start there): the moments and the step count advance, the weights stay."""
 
     learning_rate: float = 1e-4
     beta1: float = 0.9
@@ -91,19 +99,64 @@ class AdamStep:
     weight_decay: float = 0.0
     grad_clip_norm: float = 0.0
 
-    def to_config(self) -> OptimizerConfig:
-        """As floe's optimizer config (a constant schedule at this step's rate); InvalidInput
-        naming the `adam_params` field that is out of range."""
-        checks = (("learning_rate", self.learning_rate > 0), ("beta1", 0 <= self.beta1 < 1),
-                  ("beta2", 0 <= self.beta2 < 1), ("eps", self.eps > 0), ("weight_decay", self.weight_decay >= 0),
-                  ("grad_clip_norm", self.grad_clip_norm >= 0))
-        for name, ok in checks:
+    @classmethod
+    def from_json(cls, raw: Any) -> AdamStep:
+        """An AdamStep from the request's `adam_params` object: known keys only (and "type"),
+        every value a finite number (not a bool, string or null), each in range (`check`);
+        InvalidInput naming `adam_params.<field>`."""
+        if not isinstance(raw, dict):
+            raise InvalidInput("adam_params", "floe trains with AdamW: send adam_params (AdamParams) as an object")
+        unknown = sorted(set(raw) - set(ADAM_FIELDS) - {"type"})
+        if unknown:
+            raise InvalidInput(f"adam_params.{unknown[0]}", f"unknown key; AdamParams has {list(ADAM_FIELDS)}")
+        values: dict[str, float] = {}
+        for name in ADAM_FIELDS:
+            if name in raw:
+                value = raw[name]
+                if type(value) not in (int, float) or not _finite(value):
+                    raise InvalidInput(f"adam_params.{name}", f"must be a finite number, got {value!r}")
+                values[name] = float(value)
+        step = cls(**values)
+        step.check()
+        return step
+
+    def check(self) -> None:
+        """InvalidInput naming the `adam_params` field that is not finite or out of range:
+        learning_rate in [0, MAX_LEARNING_RATE], beta1 and beta2 in [0, 1), eps > 0,
+        weight_decay >= 0 with learning_rate * weight_decay <= 1 (the decoupled decay factor
+        1 - lr * wd stays in [0, 1]), grad_clip_norm >= 0."""
+        for name in ADAM_FIELDS:
+            value = getattr(self, name)
+            if type(value) not in (int, float) or not _finite(value):
+                raise InvalidInput(f"adam_params.{name}", f"must be a finite number, got {value!r}")
+        checks = (
+            ("learning_rate", 0 <= self.learning_rate <= MAX_LEARNING_RATE, f"in [0, {MAX_LEARNING_RATE}]"),
+            ("beta1", 0 <= self.beta1 < 1, "in [0, 1)"), ("beta2", 0 <= self.beta2 < 1, "in [0, 1)"),
+            ("eps", self.eps > 0, "> 0"), ("weight_decay", self.weight_decay >= 0, ">= 0"),
+            ("weight_decay", self.learning_rate * self.weight_decay <= 1,
+             "<= 1 / learning_rate (the decoupled decay multiplies weights by 1 - learning_rate * weight_decay)"),
+            ("grad_clip_norm", self.grad_clip_norm >= 0, ">= 0 (0 = no clipping)"),
+        )
+        for name, ok, rule in checks:
             if not ok:
-                raise InvalidInput(f"adam_params.{name}", f"out of range: {getattr(self, name)!r}")
-        return OptimizerConfig(
+                raise InvalidInput(f"adam_params.{name}", f"must be {rule}, got {getattr(self, name)!r}")
+
+    def to_config(self) -> OptimizerConfig:
+        """As floe's optimizer config (a constant schedule at this step's rate), after `check`.
+        Built without pydantic's validation, which refuses lr = 0 for floe's own recipes (there a
+        zero rate is a mistake; here it is a warm-up step)."""
+        self.check()
+        return OptimizerConfig.model_construct(
             lr=self.learning_rate, betas=(self.beta1, self.beta2), eps=self.eps, weight_decay=self.weight_decay,
             grad_clip=self.grad_clip_norm if self.grad_clip_norm > 0 else None, schedule="constant",
         )
+
+
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond float's range
+        return False
 
 
 @dataclass
@@ -528,16 +581,18 @@ class RunManager:
             host.activate(sampler.weights)
             yield
 
+    def draw_seed(self) -> int:
+        """A seed for a call that gave none (from the manager's generator, seeded by the config)."""
+        with self._load_lock:
+            return int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
+
     def sample(self, sampler: SamplerInfo, prompt: list[int], n: int, params: SamplingParams) -> SampledGroup:
         """n samples of `prompt` with the sampler's weights, stamped with its version."""
         validate_prompts([prompt], n, params, self.vocab_size, self.max_context)
         frozen = self._frozen_model(sampler) if sampler.full else None
         engine = frozen.engine if frozen is not None else self._engine_for()
         engine.validate([prompt], n, params)
-        seed = params.seed
-        if seed is None:
-            with self._load_lock:
-                seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
+        seed = params.seed if params.seed is not None else self.draw_seed()
         if frozen is not None:  # a frozen whole model: nothing to switch, nothing to lock
             return engine.generate([prompt], n, params, prompt_seeds(seed, 1), sampler.version)[0]
         with self._on(sampler):
@@ -556,6 +611,103 @@ class RunManager:
         with self._on(sampler), torch.no_grad():
             model = self.host.view(sampler.weights) if sampler.weights is not None else self.host.model
             return score_batch(model, batch, 1.0, False, self.compute).logprobs[0][0]  # type: ignore[arg-type]
+
+    def prompt_scores(
+        self, sampler: SamplerInfo, prompt: list[int], topk: int = 0, target_ids: np.ndarray | None = None,
+        alt_k: int = 0, temperature: float = 1.0, seed: int | None = None,
+    ) -> PromptScores:
+        """What the next-token distributions along `prompt` say, under the sampler's weights, one
+        row per prompt position i >= 1 (row i - 1, the distribution after prompt[:i]), by floe's
+        scoring (`scoring.next_token_logits`, one forward):
+        * `topk`: the `topk` most likely tokens and their log-probs (temperature 1, like
+          `prompt_logprobs`), most likely first;
+        * `target_ids` [len(prompt) - 1, K] int64: the log-prob of each named id at its row
+          (temperature 1; 0.0 where the id is -1);
+        * `alt_k`: `alt_k` independent draws per row, with replacement, from the distribution at
+          `temperature` (no top-k / top-p), and their log-probs under that distribution; at
+          temperature 0 the argmax, with its temperature-1 log-prob (the sampler's rule for
+          greedy). Draws are a pure function of `seed` and the row (`floe.sampler.noise`); no
+          seed: one drawn per call.
+        Checks are the caller's (floe.server.protocols.tinker.convert.sample_request)."""
+        validate_prompts([prompt], 1, SamplingParams(max_tokens=1), self.vocab_size, self.max_context)
+        rows = len(prompt) - 1
+        if alt_k and seed is None:
+            seed = self.draw_seed()
+        parts: dict[str, list[torch.Tensor]] = {"topk_ids": [], "topk_logprobs": [], "target_logprobs": [],
+                                                "alt_tokens": [], "alt_logprobs": []}
+        ids_t = torch.as_tensor(target_ids) if target_ids is not None else None
+
+        def consume(model: Any) -> None:
+            for start, logits in next_token_logits(model, prompt, self.compute.logprob_chunk_tokens):
+                logp = torch.log_softmax(logits, dim=-1)
+                if topk:
+                    values, index = torch.topk(logp, min(topk, logp.shape[-1]), dim=-1)
+                    parts["topk_ids"].append(index.cpu())
+                    parts["topk_logprobs"].append(values.cpu())
+                if ids_t is not None:
+                    cells = ids_t[start : start + logits.shape[0]].to(logp.device)
+                    got = logp.gather(-1, cells.clamp_min(0)).masked_fill(cells < 0, 0.0)
+                    parts["target_logprobs"].append(got.cpu())
+                if alt_k:
+                    assert seed is not None
+                    tokens, lps = _alt_draws(logits, logp, alt_k, temperature, seed, start)
+                    parts["alt_tokens"].append(tokens.cpu())
+                    parts["alt_logprobs"].append(lps.cpu())
+
+        with torch.no_grad():
+            if sampler.full:
+                consume(self._frozen_model(sampler).model)
+            else:
+                with self._on(sampler):
+                    consume(self.host.view(sampler.weights) if sampler.weights is not None else self.host.model)
+
+        def joined(name: str, width: int, dtype: Any) -> np.ndarray:
+            if not parts[name]:
+                return np.zeros((rows, width), dtype=dtype)
+            return torch.cat(parts[name]).numpy().astype(dtype)
+
+        k_targets = target_ids.shape[1] if target_ids is not None else 0
+        return PromptScores(
+            topk_ids=joined("topk_ids", topk, np.int64) if topk else None,
+            topk_logprobs=joined("topk_logprobs", topk, np.float32) if topk else None,
+            target_logprobs=joined("target_logprobs", k_targets, np.float32) if target_ids is not None else None,
+            alt_tokens=joined("alt_tokens", alt_k, np.int64) if alt_k else None,
+            alt_logprobs=joined("alt_logprobs", alt_k, np.float32) if alt_k else None,
+        )
+
+
+ALT_STREAM = 0x616C74  # "alt": the counter that separates alternative-token draws from sampling's
+
+
+def _alt_draws(
+    logits: torch.Tensor, logp: torch.Tensor, k: int, temperature: float, seed: int, first_row: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """k draws per row of `logits` [C, V] (prompt rows first_row ..): inverse transform sampling
+    with uniforms keyed by (seed, row), as `noise.sample_categorical` draws one; their log-probs
+    under the distribution drawn from. Temperature 0: the argmax k times (`logp` is the
+    temperature-1 log-softmax)."""
+    if temperature == 0:
+        chosen = logits.argmax(dim=-1, keepdim=True).expand(-1, k)
+        return chosen, logp.gather(-1, chosen)
+    scaled = torch.log_softmax(logits / temperature, dim=-1)
+    rows = torch.arange(first_row, first_row + logits.shape[0], device=logits.device)
+    keys = derive_tensor(torch.full_like(rows, derive(seed, ALT_STREAM)), rows)
+    u = uniforms(keys, k)  # [C, k]
+    cdf = torch.softmax(logits.double() / temperature, dim=-1).cumsum(dim=-1)
+    chosen = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_max(logits.shape[-1] - 1)
+    return chosen, scaled.gather(-1, chosen)
+
+
+@dataclass(frozen=True)
+class PromptScores:
+    """`RunManager.prompt_scores`' results as numpy arrays, one row per prompt position after
+    the first (row i = position i + 1); None where not asked."""
+
+    topk_ids: np.ndarray | None = None  # [L - 1, k] int64, most likely first
+    topk_logprobs: np.ndarray | None = None  # [L - 1, k] float32
+    target_logprobs: np.ndarray | None = None  # [L - 1, K] float32, 0.0 at cells of -1
+    alt_tokens: np.ndarray | None = None  # [L - 1, k] int64
+    alt_logprobs: np.ndarray | None = None  # [L - 1, k] float32
 
 
 _RELEASED = "this sampler's weights were released (its session finished); save weights for a sampler again"

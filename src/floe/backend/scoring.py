@@ -18,6 +18,7 @@ predicts each sample's first token, and the sample's own positions) through
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -216,6 +217,29 @@ def score_microbatch(
         for p in mb.parts
     ]
     return score_parts(model, parts, temperature, with_entropy, compute.logprob_chunk_tokens, mb.layout)
+
+
+def next_token_logits(model: PreTrainedModel, tokens: list[int], chunk_tokens: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """The fp32 logits [C, vocab] of the next-token distribution after tokens[:i + 1], for
+    i = 0 .. len(tokens) - 2 (the distributions that predict tokens[1:]), `chunk_tokens` rows at
+    a time: yields (i of the chunk's first row, logits). One forward of tokens[:-1], the input
+    row `score_batch` scores a one-token prompt with; the LM head runs per chunk, so a long
+    prompt never holds its whole [tokens x vocab] logits (models without a plain head do).
+    Call under torch.no_grad()."""
+    if len(tokens) < 2:
+        return
+    device = next(model.parameters()).device
+    ids = torch.tensor([tokens[:-1]], dtype=torch.long, device=device)
+    n = ids.shape[1]
+    if not has_plain_lm_head(model):
+        logits = model(input_ids=ids, use_cache=False).logits[0].float()
+        for start in range(0, n, chunk_tokens):
+            yield start, logits[start : start + chunk_tokens]
+        return
+    hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state[0]
+    head = model.get_output_embeddings()
+    for start in range(0, n, chunk_tokens):
+        yield start, torch.nn.functional.linear(hidden[start : start + chunk_tokens], head.weight, head.bias).float()
 
 
 def score_batch(

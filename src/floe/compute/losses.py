@@ -95,6 +95,11 @@ class GSPOConfig(ClippedConfig):
     # The GSPO paper's sequence-ratio clip range.
     clip_low: float = Field(3e-4, ge=0, le=1)
     clip_high: float = Field(4e-4, ge=0)
+    ratio_gradient: Literal["sequence", "token"] = Field(
+        "sequence",
+        description="sequence: every token's ratio is s with the gradient of s (through the mean); "
+        "token (GSPO-token, Tinker's gspo): s's value with the gradient of the token's own logp",
+    )
 
 
 class DROConfig(LossConfig):
@@ -243,12 +248,15 @@ def _gspo(cfg: LossConfig, x: TokenInputs) -> TokenLoss:
     import torch  # noqa: PLC0415 - see the note at the top
     assert isinstance(cfg, GSPOConfig) and x.old_logp is not None and x.advantages is not None
     adv = x.advantages
-    # s_i = exp(mean over the sample's loss tokens of (logp - old)); gradient flows through it.
+    # log s_i = mean over the sample's loss tokens (w != 0) of (logp - old).
     mask = (x.weights != 0).to(x.logp.dtype)
     delta_sum = _segment_sum((x.logp - x.old_logp) * mask, x.sample_index, x.num_samples)
     count = _segment_sum(mask, x.sample_index, x.num_samples).clamp_min(1.0)
-    seq_ratio, bounded = bounded_exp(delta_sum / count)
-    seq_ratio, bounded = seq_ratio[x.sample_index], bounded[x.sample_index]
+    log_s = (delta_sum / count)[x.sample_index]
+    if cfg.ratio_gradient == "token":
+        # GSPO-token: s_t = sg(s) * p_t / sg(p_t): the value of s, the gradient of the token's own logp.
+        log_s = log_s.detach() + (x.logp - x.logp.detach())
+    seq_ratio, bounded = bounded_exp(log_s)
     clipped_ratio = _clip_ratio(seq_ratio, cfg)
     loss = -torch.minimum(seq_ratio * adv, clipped_ratio * adv)
     clipped = (seq_ratio * adv).detach() > (clipped_ratio * adv).detach()
@@ -290,7 +298,7 @@ LOSSES: dict[str, LossDef] = {
         LossDef("importance_sampling", ImportanceSamplingConfig, _importance_sampling, _POLICY_INPUTS, "-r*A"),
         LossDef("ppo", PPOConfig, _ppo, _POLICY_INPUTS, "-min(r*A, clip(r)*A), optional dual clip"),
         LossDef("cispo", CISPOConfig, _cispo, _POLICY_INPUTS, "-sg(clip(r))*A*logp"),
-        LossDef("gspo", GSPOConfig, _gspo, _POLICY_INPUTS, "sequence-level ratio, clipped like ppo"),
+        LossDef("gspo", GSPOConfig, _gspo, _POLICY_INPUTS, "sequence-level ratio, clipped like ppo; ratio_gradient sequence|token"),
         LossDef("dro", DROConfig, _dro, _POLICY_INPUTS, "-(A*logp - beta/2*(logp-logp_old)^2)"),
     )
 }

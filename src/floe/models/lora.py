@@ -58,12 +58,17 @@ class LoraSpec:
     train_unembed: bool = True
 
     def check(self) -> None:
-        """InvalidInput (naming the `lora_config` field) for a rank outside 1..MAX_RANK or no
-        module family switched on."""
+        """InvalidInput (naming the `lora_config` field) for a rank that is not an integer in
+        1..MAX_RANK, a seed outside torch's seed range, a module switch that is not a
+        bool, or no module family switched on."""
         if type(self.rank) is not int or not 1 <= self.rank <= MAX_RANK:
             raise InvalidInput("lora_config.rank", f"must be an integer in 1..{MAX_RANK}, got {self.rank!r}")
-        if self.seed is not None and type(self.seed) is not int:
-            raise InvalidInput("lora_config.seed", f"must be an integer or absent, got {self.seed!r}")
+        if self.seed is not None and (type(self.seed) is not int or not -(2**63) <= self.seed < 2**64):
+            # torch.manual_seed's range
+            raise InvalidInput("lora_config.seed", f"must be an integer in [-2**63, 2**64) or absent, got {self.seed!r}")
+        for name in ("train_attn", "train_mlp", "train_unembed"):
+            if type(getattr(self, name)) is not bool:
+                raise InvalidInput(f"lora_config.{name}", f"must be true or false, got {getattr(self, name)!r}")
         if not (self.train_attn or self.train_mlp or self.train_unembed):
             raise InvalidInput("lora_config", "at least one of train_attn, train_mlp, train_unembed must be true")
 

@@ -1,16 +1,27 @@
-"""Tinker wire data <-> floe types: datums to a `floe.Batch` with a floe loss, samples and
-results to the protobuf messages the SDK decodes. Pure conversion, no model.
+"""Tinker wire data <-> floe types: datums to a `floe.Batch` with a floe loss, request JSON to
+checked floe arguments, samples and results to the protobuf messages the SDK decodes. Pure
+conversion and checking, no model.
 
-Loss mapping (Tinker semantics on floe's losses, `aggregation = "sum"`):
+Loss mapping (Tinker semantics on floe's losses, `aggregation = "sum"`; docs/losses.md):
 * `cross_entropy`: floe `cross_entropy` with the datum's `weights` as per-token weights; when a
   weight is negative (the SDK's custom-loss surrogate sends signed weights), floe `dro` with
   beta 0, advantages = weights and old log-probs 0, which is the same −w·logp.
 * `importance_sampling`: floe `importance_sampling` (old log-probs = `logprobs`).
-* `ppo`, `cispo`: `clip_low_threshold` / `clip_high_threshold` are bounds on the ratio (default
-  0.8 / 1.2); floe's keys are epsilons: clip_low = 1 − low, clip_high = high − 1.
+* `ppo`, `cispo`, `gspo`: `clip_low_threshold` / `clip_high_threshold` are bounds on the ratio
+  (default 0.8 / 1.2); floe's keys are epsilons: clip_low = 1 − low, clip_high = high − 1.
+* `gspo`: floe `gspo` with `ratio_gradient = "token"` (GSPO-token, as Tinker defines it). The
+  tokens of the sequence ratio (`sequence_ratio_mask` ≠ 0; absent: the tokens with a nonzero
+  advantage) become the sample's 0/1 weights; a nonzero advantage outside them is refused (its
+  loss would need the ratio of tokens floe does not train).
 * `dro`: floe `dro` with `beta`.
-Datums must be next-token data (target_tokens = model_input shifted by one, as the SDK's
-helpers and the cookbook build them); a datum becomes a group whose prompt is its first
+* `stable_reinforce` and `custom` are refused (NOT_SERVED_LOSSES says why).
+
+`loss_fn_inputs`: a loss takes exactly its inputs (REQUIRED_INPUTS, OPTIONAL_INPUTS); any other
+key is refused naming it, as Tinker's service takes only the inputs a loss reads (the cookbook
+drops its `mask` before every forward_backward, rl/train.py `_remove_mask`; the SDK sends only
+`target_tokens` and `weights` for custom losses). Every number (inputs, `loss_fn_config`) must
+be finite. Datums must be next-token data (target_tokens = model_input shifted by one, as the
+SDK's helpers and the cookbook build them); a datum becomes a group whose prompt is its first
 input token and whose one sample is `target_tokens`.
 """
 
@@ -18,20 +29,49 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from itertools import pairwise
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from floe.backend.validation import MAX_TOP_LOGPROBS, SEED_LIMIT
 from floe.errors import InvalidInput
+from floe.models.lora import LoraSpec
 from floe.server.protocols.tinker import schema
 from floe.types import Batch, Group, Sample, SampledGroup, SamplingParams
 
-RL_LOSSES = ("importance_sampling", "ppo", "cispo", "dro")
+if TYPE_CHECKING:
+    from floe.backend.runs import PromptScores
+
+RL_LOSSES = ("importance_sampling", "ppo", "cispo", "gspo", "dro")
 SUPPORTED_LOSSES = ("cross_entropy", *RL_LOSSES)
-_INPUT_KEYS = {"cross_entropy": {"target_tokens", "weights"}, **{k: {"target_tokens", "logprobs", "advantages"} for k in RL_LOSSES}}
-_CONFIG_KEYS = {"cross_entropy": set(), "importance_sampling": set(), "ppo": {"clip_low_threshold", "clip_high_threshold"},
-                "cispo": {"clip_low_threshold", "clip_high_threshold"}, "dro": {"beta"}}
+_RL_INPUTS = frozenset({"target_tokens", "logprobs", "advantages"})
+REQUIRED_INPUTS: dict[str, frozenset[str]] = {"cross_entropy": frozenset({"target_tokens"}),
+                                              **{k: _RL_INPUTS for k in RL_LOSSES}}
+OPTIONAL_INPUTS: dict[str, frozenset[str]] = {"cross_entropy": frozenset({"weights"}),
+                                              "gspo": frozenset({"sequence_ratio_mask"})}
+_INT_INPUTS = frozenset({"target_tokens"})
+_CLIP_KEYS = frozenset({"clip_low_threshold", "clip_high_threshold"})
+CONFIG_KEYS: dict[str, frozenset[str]] = {"cross_entropy": frozenset(), "importance_sampling": frozenset(),
+                                          "ppo": _CLIP_KEYS, "cispo": _CLIP_KEYS, "gspo": _CLIP_KEYS,
+                                          "dro": frozenset({"beta"})}
 DEFAULT_CLIP = (0.8, 1.2)
+
+NOT_SERVED_LOSSES = {
+    "stable_reinforce": (
+        "floe does not serve stable_reinforce: its objective uses stability information that Tinker's sampler "
+        "records (record_stability_info) and Tinker has not published what that information is or the formula "
+        "that uses it, so floe cannot compute the same loss; train with importance_sampling, ppo, cispo or gspo "
+        "(tinker-cookbook: loss_fn='importance_sampling')"
+    ),
+    "custom": (
+        "server-side custom losses (ServiceClient.create_custom_loss) are not served (this server's client config "
+        "says custom_loss_server_side: false); forward_backward_custom with a callable or a client-side LossHandle "
+        "works"
+    ),
+}
+_PER_TOKEN_CLIP = ("per-token clip thresholds are not supported by floe; give one bound for the whole call as "
+                   "loss_fn_config.{key}")
 
 
 @dataclass
@@ -44,23 +84,51 @@ class FloeCall:
     lengths: list[int]
 
 
-def _tensor(field: str, msg: Any) -> np.ndarray:
-    """A proto `Tensor` (dense or sparse CSR) as a flat numpy array."""
-    dtype = {schema.DTYPE_FLOAT32: np.float32, schema.DTYPE_INT64: np.int64}.get(msg.dtype)
-    if dtype is None:
-        raise InvalidInput(field, f"dtype {msg.dtype} is not float32 or int64")
+def finite_number(field: str, value: Any) -> float:
+    """`value` as a float when it is an int or float (not a bool) and finite; InvalidInput
+    naming `field` otherwise (NaN, ±Infinity, strings, null, huge ints)."""
+    if type(value) not in (int, float):
+        raise InvalidInput(field, f"must be a finite number, got {value!r}")
+    try:
+        number = float(value)
+    except OverflowError:
+        raise InvalidInput(field, f"must be a finite number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise InvalidInput(field, f"must be a finite number, got {value!r}")
+    return number
+
+
+def _int_in(field: str, value: Any, lo: int, hi: int, what: str = "") -> int:
+    """An int (not a bool) in [lo, hi]; InvalidInput naming `field` otherwise."""
+    if type(value) is not int or not lo <= value <= hi:
+        raise InvalidInput(field, f"must be an integer in [{lo}, {hi}]{what}, got {value!r}")
+    return value
+
+
+# -- forward / forward_backward -------------------------------------------------------------
+
+
+def _tensor(field: str, msg: Any, key: str, n: int) -> np.ndarray:
+    """A proto `Tensor` (dense or sparse CSR) holding one value per input token, as a flat array:
+    int64 for target_tokens, float32 (finite) for everything else."""
+    want = schema.DTYPE_INT64 if key in _INT_INPUTS else schema.DTYPE_FLOAT32
+    if msg.dtype != want:
+        raise InvalidInput(field, f"must be {'int64' if key in _INT_INPUTS else 'float32'}, got dtype {msg.dtype}")
+    dtype = np.int64 if key in _INT_INPUTS else np.float32
     shape = [int(s) for s in msg.shape]
+    if len(shape) > 1:
+        raise InvalidInput(field, f"has shape {shape}: floe takes one value per input token, shape ({n},); 2-D "
+                                  "(N, K) inputs (several targets per position, as top-k distillation sends) are "
+                                  "not supported")
     if msg.HasField("sparse_csr"):
-        values = np.frombuffer(msg.sparse_csr.values, dtype=dtype)
-        crow = np.frombuffer(msg.sparse_csr.crow_indices, dtype=np.int64)
-        col = np.frombuffer(msg.sparse_csr.col_indices, dtype=np.int64)
-        if len(shape) != 2:
-            raise InvalidInput(field, "a sparse tensor must be 2-D")
-        dense = np.zeros(shape, dtype=dtype)
-        for row in range(shape[0]):
-            dense[row, col[crow[row]:crow[row + 1]]] = values[crow[row]:crow[row + 1]]
-        return dense.reshape(-1)
-    return np.frombuffer(msg.dense, dtype=dtype)
+        raise InvalidInput(field, "a sparse tensor must be 2-D, which floe does not support; send it dense")
+    values = np.frombuffer(msg.dense, dtype=dtype)
+    if values.size != n:
+        raise InvalidInput(field, f"has {values.size} values for {n} input tokens")
+    if dtype is np.float32 and not np.isfinite(values).all():
+        bad = int(np.flatnonzero(~np.isfinite(values))[0])
+        raise InvalidInput(f"{field}[{bad}]", f"must be a finite number, got {values[bad]}")
+    return values
 
 
 def _tokens(field: str, chunks: Any) -> list[int]:
@@ -73,42 +141,78 @@ def _tokens(field: str, chunks: Any) -> list[int]:
     return out
 
 
-def loss_config_of(request: Any) -> dict[str, float | str]:
-    """loss_fn_config_v2 (preferred) or the legacy numeric map."""
+def loss_config_of(request: Any) -> dict[str, Any]:
+    """loss_fn_config_v2 (preferred when set, as the SDK says) or the legacy numeric map, raw:
+    numbers, strings, or None for a v2 value that carries neither (checked by `floe_loss`)."""
     if request.loss_fn_config_v2:
-        return {k: (v.number if v.WhichOneof("value") == "number" else v.text) for k, v in request.loss_fn_config_v2.items()}
+        out: dict[str, Any] = {}
+        for key, value in request.loss_fn_config_v2.items():
+            kind = value.WhichOneof("value")
+            out[key] = value.number if kind == "number" else value.text if kind == "text" else None
+        return out
     return dict(request.loss_fn_config)
 
 
-def _floats(field: str, value: Any) -> float:
-    if not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidInput(field, f"must be a finite number, got {value!r}")
-    return float(value)
-
-
 def floe_loss(loss_fn: str, config: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """floe loss name and config for a Tinker loss_fn and loss_fn_config (InvalidInput on an
-    unsupported loss or an unknown key)."""
+    """floe loss name and config for a Tinker loss_fn and loss_fn_config (InvalidInput on a loss
+    floe does not serve, an unknown key, or a value that is not a finite number in range)."""
+    if loss_fn in NOT_SERVED_LOSSES:
+        raise InvalidInput("loss_fn", NOT_SERVED_LOSSES[loss_fn])
     if loss_fn not in SUPPORTED_LOSSES:
-        raise InvalidInput("loss_fn", f"floe supports {', '.join(SUPPORTED_LOSSES)}; got {loss_fn!r}")
-    unknown = sorted(set(config) - _CONFIG_KEYS[loss_fn])
+        raise InvalidInput("loss_fn", f"floe serves {', '.join(SUPPORTED_LOSSES)}; got {loss_fn!r}")
+    unknown = sorted(set(config) - CONFIG_KEYS[loss_fn])
     if unknown:
-        allowed = sorted(_CONFIG_KEYS[loss_fn]) or "none"
+        allowed = sorted(CONFIG_KEYS[loss_fn]) or "none"
         raise InvalidInput(f"loss_fn_config.{unknown[0]}", f"unknown key for {loss_fn}; allowed keys: {allowed}")
+    values = {key: finite_number(f"loss_fn_config.{key}", value) for key, value in config.items()}
     out: dict[str, Any] = {"aggregation": "sum"}
-    if loss_fn in ("ppo", "cispo"):
-        low = _floats("loss_fn_config.clip_low_threshold", config.get("clip_low_threshold", DEFAULT_CLIP[0]))
-        high = _floats("loss_fn_config.clip_high_threshold", config.get("clip_high_threshold", DEFAULT_CLIP[1]))
+    if loss_fn in ("ppo", "cispo", "gspo"):
+        low = values.get("clip_low_threshold", DEFAULT_CLIP[0])
+        high = values.get("clip_high_threshold", DEFAULT_CLIP[1])
         if not 0 <= low <= 1:
             raise InvalidInput("loss_fn_config.clip_low_threshold", f"a lower bound on the ratio in [0, 1], got {low}")
         if high < 1:
             raise InvalidInput("loss_fn_config.clip_high_threshold", f"an upper bound on the ratio >= 1, got {high}")
         out.update(clip_low=1.0 - low, clip_high=high - 1.0)
+    if loss_fn == "gspo":
+        out["ratio_gradient"] = "token"
     if loss_fn == "dro":
-        if "beta" not in config:
+        if "beta" not in values:
             raise InvalidInput("loss_fn_config.beta", "dro needs beta (the weight of the squared log-ratio penalty)")
-        out["beta"] = _floats("loss_fn_config.beta", config["beta"])
+        if values["beta"] < 0:
+            raise InvalidInput("loss_fn_config.beta", f"must be >= 0, got {values['beta']}")
+        out["beta"] = values["beta"]
     return loss_fn, out
+
+
+def _check_input_keys(where: str, loss: str, keys: set[str]) -> None:
+    takes = REQUIRED_INPUTS[loss] | OPTIONAL_INPUTS.get(loss, frozenset())
+    extra = sorted(keys - takes)
+    if extra and extra[0] in _CLIP_KEYS and loss in ("ppo", "cispo", "gspo"):
+        raise InvalidInput(f"{where}.loss_fn_inputs.{extra[0]}", _PER_TOKEN_CLIP.format(key=extra[0]))
+    if extra:
+        raise InvalidInput(
+            f"{where}.loss_fn_inputs.{extra[0]}",
+            f"not an input of {loss}, which takes {sorted(takes)}; like Tinker's service, floe takes only the inputs "
+            "a loss reads (the cookbook drops its 'mask' before sending): remove it",
+        )
+    missing = sorted(REQUIRED_INPUTS[loss] - keys)
+    if missing:
+        raise InvalidInput(f"{where}.loss_fn_inputs.{missing[0]}", f"{loss} needs {missing[0]}")
+
+
+def _gspo_weights(where: str, inputs: dict[str, np.ndarray]) -> list[float]:
+    """0/1 weights marking the tokens of a gspo datum's sequence ratio (see the module docstring)."""
+    adv = inputs["advantages"]
+    mask = inputs["sequence_ratio_mask"] != 0 if "sequence_ratio_mask" in inputs else adv != 0
+    outside = np.flatnonzero((adv != 0) & ~mask)
+    if outside.size:
+        raise InvalidInput(
+            f"{where}.loss_fn_inputs.advantages",
+            f"position {int(outside[0])} has a nonzero advantage outside sequence_ratio_mask; floe's gspo trains the "
+            "tokens of the sequence ratio only: include that position in the mask or zero its advantage",
+        )
+    return mask.astype(np.float64).tolist()
 
 
 def forward_request_to_floe(request: Any) -> FloeCall:
@@ -126,21 +230,8 @@ def forward_request_to_floe(request: Any) -> FloeCall:
         if n == 0:
             raise InvalidInput(f"{where}.model_input", "is empty")
         keys = set(datum.loss_fn_inputs.keys())
-        extra = sorted(keys - _INPUT_KEYS[loss])
-        if extra:
-            raise InvalidInput(f"{where}.loss_fn_inputs.{extra[0]}",
-                               f"not used by {loss}; floe accepts {sorted(_INPUT_KEYS[loss])}")
-        inputs = {}
-        for key in _INPUT_KEYS[loss]:
-            if key == "weights" and key not in keys:
-                inputs[key] = np.ones(n, dtype=np.float32)
-                continue
-            if key not in keys:
-                raise InvalidInput(f"{where}.loss_fn_inputs.{key}", f"{loss} needs {key}")
-            value = _tensor(f"{where}.loss_fn_inputs.{key}", datum.loss_fn_inputs[key])
-            if value.size != n:
-                raise InvalidInput(f"{where}.loss_fn_inputs.{key}", f"has {value.size} values for {n} input tokens")
-            inputs[key] = value
+        _check_input_keys(where, loss, keys)
+        inputs = {key: _tensor(f"{where}.loss_fn_inputs.{key}", datum.loss_fn_inputs[key], key, n) for key in keys}
         target = [int(t) for t in inputs["target_tokens"]]
         if tokens[1:] != target[:-1]:
             raise InvalidInput(
@@ -149,12 +240,13 @@ def forward_request_to_floe(request: Any) -> FloeCall:
                 "(model_input = seq[:-1], target_tokens = seq[1:])",
             )
         if loss == "cross_entropy":
-            weights = [float(w) for w in inputs["weights"]]
+            weights = [float(w) for w in inputs["weights"]] if "weights" in inputs else [1.0] * n
             signed = signed or any(w < 0 for w in weights)
             sample = Sample(tokens=target, weights=weights)
         else:
             sample = Sample(tokens=target, logprobs=[float(x) for x in inputs["logprobs"]],
-                            advantage=[float(x) for x in inputs["advantages"]])
+                            advantage=[float(x) for x in inputs["advantages"]],
+                            weights=_gspo_weights(where, inputs) if loss == "gspo" else None)
         groups.append(Group(prompt=tokens[:1], samples=[sample]))
     if signed:  # −w·logp with signed w: dro at beta 0 (see the module docstring)
         for g in groups:
@@ -181,9 +273,71 @@ def forward_output(logprobs: list[list[float]], metrics: dict[str, float]) -> by
     return out.SerializeToString()
 
 
+# -- create_model ---------------------------------------------------------------------------
+
+LORA_KEYS = ("rank", "seed", "train_unembed", "train_mlp", "train_attn")
+
+
+def lora_spec(raw: Any) -> LoraSpec:
+    """A checked LoraSpec from the request's `lora_config` (absent: rank 32, every module family):
+    rank and seed integers, the train_* switches real booleans (the string "no" is not false),
+    unknown keys refused; InvalidInput naming the `lora_config` field."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise InvalidInput("lora_config", f"must be an object, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(LORA_KEYS))
+    if unknown:
+        raise InvalidInput(f"lora_config.{unknown[0]}", f"unknown key; allowed: {list(LORA_KEYS)}")
+    spec = LoraSpec(rank=raw.get("rank", 32), seed=raw.get("seed"), train_attn=raw.get("train_attn", True),
+                    train_mlp=raw.get("train_mlp", True), train_unembed=raw.get("train_unembed", True))
+    spec.check()
+    return spec
+
+
+# -- sampling -------------------------------------------------------------------------------
+
+MAX_NUM_SAMPLES = 1024  # samples per asample request
+MAX_TOPK = MAX_TOP_LOGPROBS  # top-k widths (prompt and sample), alternative draws, distinct target ids
+TOPK_MASK_LOGPROB = -99999.0  # the SDK's sentinel for an empty top-k slot (token id 0), tinker.types.topk_logprobs
+SAMPLE_KEYS = frozenset({
+    "sampling_session_id", "seq_id", "num_samples", "prompt", "sampling_params", "base_model", "model_path",
+    "prompt_logprobs", "topk_prompt_logprobs", "topk_sample_logprobs", "target_prompt_logprobs",
+    "prompt_alt_tokens_k", "prompt_logprobs_last_n", "record_stability_info", "type",
+})
+RECORD_STABILITY_REFUSED = ("stability information is what Tinker's stable_reinforce loss trains on, and floe does "
+                            "not serve that loss (its definition is not published); create the sampling client "
+                            "without record_stability_info and train with importance_sampling, ppo, cispo or gspo")
+
+
+def num_samples(value: Any) -> int:
+    """`num_samples` of an asample request: an integer in [1, MAX_NUM_SAMPLES]."""
+    return _int_in("num_samples", value, 1, MAX_NUM_SAMPLES)
+
+
+def _chunk_tokens(k: int, chunk: Any) -> list[int]:
+    if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
+        raise InvalidInput(f"prompt.chunks[{k}]", "only encoded_text chunks are supported by floe")
+    tokens = chunk.get("tokens")
+    if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+        raise InvalidInput(f"prompt.chunks[{k}].tokens", "must be a list of token ids")
+    return tokens
+
+
+def prompt_tokens(raw: Any) -> list[int]:
+    """The request's `prompt` (a ModelInput: text chunks) as one list of token ids."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("chunks"), list):
+        raise InvalidInput("prompt", "must be a ModelInput object with a list of chunks")
+    tokens = [t for k, chunk in enumerate(raw["chunks"]) for t in _chunk_tokens(k, chunk)]
+    if not tokens:
+        raise InvalidInput("prompt", "is empty")
+    return tokens
+
+
 def sampling_params(raw: Any, prompt_len: int, max_context: int) -> SamplingParams:
     """floe SamplingParams from the request's `sampling_params` JSON (stop absent = at EOS;
-    [] = never; strings = stop strings; ints = stop token ids; top_k -1 = off)."""
+    [] = never; strings = stop strings; ints = stop token ids; top_k -1 = off), every field
+    type-checked and bounded; InvalidInput naming `sampling_params.<field>`."""
     if not isinstance(raw, dict):
         raise InvalidInput("sampling_params", "must be an object")
     known = {"max_tokens", "seed", "stop", "temperature", "top_k", "top_p"}
@@ -207,37 +361,225 @@ def sampling_params(raw: Any, prompt_len: int, max_context: int) -> SamplingPara
             raise InvalidInput("sampling_params.stop", "a string, a list of strings or a list of token ids")
     elif stop is not None:
         raise InvalidInput("sampling_params.stop", "a string, a list of strings or a list of token ids")
+    room = max_context - prompt_len
+    if room < 1:
+        raise InvalidInput("prompt", f"has {prompt_len} tokens; the model's context is {max_context}, which leaves no "
+                                     "room to generate: shorten the prompt")
     max_tokens = raw.get("max_tokens")
     if max_tokens is None:
-        max_tokens = max(1, max_context - prompt_len)
+        max_tokens = room
+    _int_in("sampling_params.max_tokens", max_tokens, 1, room,
+            f" (the prompt's {prompt_len} tokens leave {room} of the model's context of {max_context})")
+    temperature = finite_number("sampling_params.temperature", raw.get("temperature", 1.0))
+    if temperature < 0:
+        raise InvalidInput("sampling_params.temperature", f"must be >= 0 (0 = greedy), got {temperature}")
+    top_p = finite_number("sampling_params.top_p", raw.get("top_p", 1.0))
+    if not 0 < top_p <= 1:
+        raise InvalidInput("sampling_params.top_p", f"must be in (0, 1], got {top_p}")
     top_k = raw.get("top_k", -1)
+    _int_in("sampling_params.top_k", top_k, -1, 2**31 - 1, " (-1 = no limit)")
+    seed = raw.get("seed")
+    if seed is not None:
+        _int_in("sampling_params.seed", seed, 0, SEED_LIMIT - 1)
     return SamplingParams(
-        max_tokens=max_tokens, temperature=raw.get("temperature", 1.0), top_p=raw.get("top_p", 1.0),
-        top_k=0 if top_k == -1 else top_k, stop_token_ids=stop_ids, stop=stop_strings, seed=raw.get("seed"),
-        stop_at_eos=at_eos,
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=0 if top_k == -1 else top_k,
+        stop_token_ids=stop_ids, stop=stop_strings, seed=seed, stop_at_eos=at_eos,
     )
 
 
-def _topk(msg: Any, rows: list[list[tuple[int, float]]], k: int) -> None:
+@dataclass(frozen=True)
+class TargetIds:
+    """`target_prompt_logprobs` of a request: `ids` [len(prompt) - 1, K] int64 (-1 = no cell),
+    and, when it came sparse, its CSR layout (the response uses the same)."""
+
+    ids: np.ndarray
+    crow: np.ndarray | None = None
+    col: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class SampleCall:
+    """A checked asample request."""
+
+    prompt: list[int]
+    num_samples: int
+    params: SamplingParams
+    prompt_logprobs: bool = False
+    last_n: int | None = None  # prompt_logprobs_last_n
+    topk_prompt: int = 0
+    topk_sample: int = 0
+    targets: TargetIds | None = None
+    alt_k: int = 0  # prompt_alt_tokens_k
+
+    @property
+    def scores_prompt_distribution(self) -> bool:
+        """Whether the request needs the next-token distributions along the prompt."""
+        return bool(self.topk_prompt or self.targets is not None or self.alt_k)
+
+
+def _flag(body: dict[str, Any], key: str) -> bool:
+    value = body.get(key)
+    if value is None:
+        return False
+    if type(value) is not bool:
+        raise InvalidInput(key, f"must be true or false, got {value!r}")
+    return value
+
+
+def _target_ids(raw: Any, rows: int, vocab_size: int) -> TargetIds:
+    """The `target_prompt_logprobs` TensorData JSON (dense or sparse CSR) checked as the SDK
+    documents it: int64, 2-D, exactly len(prompt) - 1 rows, at least one id, ids in [0, vocab)
+    or -1, at most MAX_TOPK distinct ids (the cost len(prompt) * distinct ids bounded like a
+    top-k width)."""
+    field = "target_prompt_logprobs"
+    if not isinstance(raw, dict):
+        raise InvalidInput(field, "must be a TensorData object (data, dtype, shape)")
+    if raw.get("dtype") != "int64":
+        raise InvalidInput(f"{field}.dtype", f"must be int64 (token ids), got {raw.get('dtype')!r}")
+    shape = raw.get("shape")
+    if not isinstance(shape, list) or len(shape) != 2 or not all(type(s) is int and s >= 0 for s in shape):
+        raise InvalidInput(f"{field}.shape", f"must be 2-D, [len(prompt) - 1, K], got {shape!r}")
+    if shape[0] != rows:
+        raise InvalidInput(f"{field}.shape", f"must have len(prompt) - 1 = {rows} rows, got {shape[0]}")
+    data = raw.get("data")
+    if not isinstance(data, list) or not all(type(v) is int for v in data):
+        raise InvalidInput(f"{field}.data", "must be a list of integer token ids")
+    crow_raw, col_raw = raw.get("sparse_crow_indices"), raw.get("sparse_col_indices")
+    if (crow_raw is None) != (col_raw is None):
+        raise InvalidInput(field, "sparse_crow_indices and sparse_col_indices come together")
+    ids = np.full(shape, -1, dtype=np.int64)
+    crow = col = None
+    if crow_raw is None:
+        if len(data) != shape[0] * shape[1]:
+            raise InvalidInput(f"{field}.data", f"has {len(data)} values for shape {shape}")
+        ids[...] = np.asarray(data, dtype=np.int64).reshape(shape)
+    else:
+        ok = (isinstance(crow_raw, list) and isinstance(col_raw, list) and len(crow_raw) == rows + 1
+              and all(type(v) is int for v in crow_raw + col_raw) and crow_raw[0] == 0
+              and all(a <= b for a, b in pairwise(crow_raw)) and crow_raw[-1] == len(data) == len(col_raw)
+              and all(0 <= c < shape[1] for c in col_raw))
+        if not ok:
+            raise InvalidInput(field, "sparse CSR layout does not fit its shape and data (crow: rows + 1 pointers "
+                                      "from 0 to len(data); col: one column in [0, K) per value)")
+        crow, col = np.asarray(crow_raw, dtype=np.int64), np.asarray(col_raw, dtype=np.int64)
+        for r in range(rows):
+            ids[r, col[crow[r]:crow[r + 1]]] = data[crow[r]:crow[r + 1]]
+    named = ids[ids != -1]
+    if named.size == 0:
+        raise InvalidInput(field, "names no token id (every cell is -1)")
+    if named.min() < 0 or named.max() >= vocab_size:
+        bad = int(named.min() if named.min() < 0 else named.max())
+        raise InvalidInput(f"{field}.data", f"token id {bad} is outside the vocabulary [0, {vocab_size}) (-1 = no cell)")
+    distinct = np.unique(named).size
+    if distinct > MAX_TOPK:
+        raise InvalidInput(field, f"names {distinct} distinct token ids; at most {MAX_TOPK} (the cost, len(prompt) * "
+                                  "distinct ids, is bounded like a top-k width): split the request")
+    return TargetIds(ids, crow, col)
+
+
+def sample_request(body: dict[str, Any], n: int, vocab_size: int, max_context: int) -> SampleCall:
+    """A checked asample request body (n = its checked num_samples). Every field the SDK sends is
+    served or refused naming it: unknown keys with a value set are refused, and
+    record_stability_info=true is (RECORD_STABILITY_REFUSED)."""
+    for key in sorted(set(body) - SAMPLE_KEYS):
+        if body[key] not in (None, False, 0, "", [], {}):
+            raise InvalidInput(key, "unknown sampling field; floe serves " + ", ".join(sorted(SAMPLE_KEYS - {"type"})))
+    if _flag(body, "record_stability_info"):
+        raise InvalidInput("record_stability_info", RECORD_STABILITY_REFUSED)
+    prompt = prompt_tokens(body.get("prompt"))
+    params = sampling_params(body.get("sampling_params") or {}, len(prompt), max_context)
+    want_prompt = _flag(body, "prompt_logprobs")
+    last_n = body.get("prompt_logprobs_last_n")
+    if last_n is not None:
+        if not want_prompt:
+            raise InvalidInput("prompt_logprobs_last_n", "applies to prompt logprobs; set prompt_logprobs "
+                                                         "(include_prompt_logprobs=True)")
+        if len(prompt) < 2:
+            raise InvalidInput("prompt_logprobs_last_n", "a 1-token prompt has no scored positions")
+        _int_in("prompt_logprobs_last_n", last_n, 1, len(prompt) - 1, " (1 .. len(prompt) - 1)")
+    topk_prompt, topk_sample, alt_k = (
+        _int_in(key, 0 if body.get(key) is None else body[key], 0, MAX_TOPK, " (0 = none)")
+        for key in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k")
+    )
+    raw_targets = body.get("target_prompt_logprobs")
+    targets = None if raw_targets is None else _target_ids(raw_targets, len(prompt) - 1, vocab_size)
+    return SampleCall(prompt, n, params, want_prompt, last_n, topk_prompt, topk_sample, targets, alt_k)
+
+
+def prompt_logprobs_row(values: list[float], last_n: int | None) -> list[float]:
+    """The response's prompt_logprobs (NaN at position 0) with NaN before the last `last_n`."""
+    row = [float("nan")] + values
+    if last_n is not None:
+        row = [float("nan")] * (len(row) - last_n) + row[len(row) - last_n:]
+    return row
+
+
+def _topk(msg: Any, ids: np.ndarray, logprobs: np.ndarray) -> None:
+    """Fill a `TopkLogprobs` from [length, k] ids and log-probs (sentinel slots: id 0,
+    TOPK_MASK_LOGPROB)."""
+    length, k = ids.shape
+    msg.token_ids = np.ascontiguousarray(ids, dtype=np.int32).tobytes()
+    msg.logprobs = np.ascontiguousarray(logprobs, dtype=np.float32).tobytes()
+    msg.k, msg.length = k, length
+
+
+def _sampled_topk(rows: list[list[tuple[int, float]]], k: int) -> tuple[np.ndarray, np.ndarray]:
     ids = np.zeros((len(rows), k), dtype=np.int32)
-    lps = np.full((len(rows), k), -np.inf, dtype=np.float32)
+    lps = np.full((len(rows), k), TOPK_MASK_LOGPROB, dtype=np.float32)
     for r, row in enumerate(rows):
         for j, (tok, lp) in enumerate(row[:k]):
             ids[r, j], lps[r, j] = tok, lp
-    msg.token_ids, msg.logprobs, msg.k, msg.length = ids.tobytes(), lps.tobytes(), k, len(rows)
+    return ids, lps
 
 
-def sample_output(group: SampledGroup, prompt_logprobs: list[float] | None, topk_sample: int) -> bytes:
-    """`SampleResponse` for one prompt's samples (`prompt_logprobs`: NaN where not scored)."""
+def _dense(msg: Any, array: np.ndarray, dtype: int) -> None:
+    msg.dtype = dtype
+    msg.shape.extend(array.shape)
+    msg.dense = np.ascontiguousarray(array).tobytes()
+
+
+def sample_output(group: SampledGroup, call: SampleCall, prompt_logprobs: list[float] | None = None,
+                  scores: PromptScores | None = None) -> bytes:
+    """`SampleResponse` for one prompt's samples, with every field the SDK decodes that the
+    request asked for: per sequence tokens, log-probs, stop reason, top-k; prompt_logprobs
+    (NaN where not scored), topk_prompt_logprobs ([len(prompt), k]: row 0 and rows before
+    the last `prompt_logprobs_last_n` are sentinel rows), target_prompt_logprobs (the request's
+    shape and layout), prompt_alt_tokens, prompt_cache_hit_tokens (0: floe has no prefix cache)."""
     out = schema.SampleResponse()
     for s in group.samples:
         seq = out.sequences.add()
         seq.stop_reason = schema.STOP_REASON_LENGTH if s.stop_reason == "length" else schema.STOP_REASON_STOP
         seq.tokens = np.asarray(s.tokens, dtype=np.int32).tobytes()
         seq.logprobs = np.asarray(s.logprobs, dtype=np.float32).tobytes()
-        if topk_sample and s.top_logprobs is not None:
-            _topk(seq.topk_sampled_logprobs, s.top_logprobs, topk_sample)
+        if call.topk_sample and s.top_logprobs is not None:
+            _topk(seq.topk_sampled_logprobs, *_sampled_topk(s.top_logprobs, call.topk_sample))
     if prompt_logprobs is not None:
         out.prompt_logprobs = np.asarray(prompt_logprobs, dtype=np.float32).tobytes()
+    if call.topk_prompt:
+        assert scores is not None and scores.topk_ids is not None and scores.topk_logprobs is not None
+        length, k = len(call.prompt), call.topk_prompt
+        ids = np.zeros((length, k), dtype=np.int64)
+        lps = np.full((length, k), TOPK_MASK_LOGPROB, dtype=np.float32)
+        first = 1 if call.last_n is None else length - call.last_n
+        ids[first:], lps[first:] = scores.topk_ids[first - 1:], scores.topk_logprobs[first - 1:]
+        _topk(out.topk_prompt_logprobs, ids, lps)
+    if call.targets is not None:
+        assert scores is not None and scores.target_logprobs is not None
+        values = np.where(call.targets.ids == -1, 0.0, scores.target_logprobs).astype(np.float32)
+        msg = out.target_prompt_logprobs
+        if call.targets.crow is None:
+            _dense(msg, values, schema.DTYPE_FLOAT32)
+        else:
+            assert call.targets.col is not None
+            msg.dtype = schema.DTYPE_FLOAT32
+            msg.shape.extend(values.shape)
+            rows = np.repeat(np.arange(values.shape[0]), np.diff(call.targets.crow))
+            msg.sparse_csr.values = values[rows, call.targets.col].astype(np.float32).tobytes()
+            msg.sparse_csr.crow_indices = call.targets.crow.tobytes()
+            msg.sparse_csr.col_indices = call.targets.col.tobytes()
+    if call.alt_k:
+        assert scores is not None and scores.alt_tokens is not None and scores.alt_logprobs is not None
+        _dense(out.prompt_alt_tokens.tokens, scores.alt_tokens.astype(np.int64), schema.DTYPE_INT64)
+        _dense(out.prompt_alt_tokens.logprobs, scores.alt_logprobs.astype(np.float32), schema.DTYPE_FLOAT32)
     out.prompt_cache_hit_tokens = 0
     return out.SerializeToString()

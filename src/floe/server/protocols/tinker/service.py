@@ -520,36 +520,38 @@ class TinkerService:
         return row
 
     def asample(self, who: Principal, body: dict[str, Any]) -> dict[str, Any]:
-        num = body.get("num_samples", 1)
-        if type(num) is not int or not 1 <= num <= self.bounds.samples_per_request:
-            raise InvalidInput("num_samples", f"must be an integer in [1, {self.bounds.samples_per_request}] ([server] "
-                               f"tinker_max_samples_per_request), got {str(num)[:40]}")
+        num = convert.num_samples(body.get("num_samples", 1))
+        if num > self.bounds.samples_per_request:
+            raise InvalidInput("num_samples", f"must be at most {self.bounds.samples_per_request} ([server] "
+                               f"tinker_max_samples_per_request), got {num}")
         row = self._sampler(who, body.get("sampling_session_id"))
         manager = self.bases[row.base]
-        prompt = _prompt_tokens(body.get("prompt"))
-        params = convert.sampling_params(body.get("sampling_params") or {}, len(prompt), manager.max_context)
+        call = convert.sample_request(body, num, manager.vocab_size, manager.max_context)  # every field checked now
+        params = call.params
         if num * params.max_tokens > self.bounds.sampled_tokens_per_request:
             raise InvalidInput("num_samples", f"num_samples x max_tokens = {num * params.max_tokens} exceeds "
                                f"{self.bounds.sampled_tokens_per_request} ([server] tinker_max_sampled_tokens_per_request)")
-        for key in ("prompt_alt_tokens_k", "topk_prompt_logprobs", "target_prompt_logprobs", "record_stability_info"):
-            if body.get(key):
-                raise InvalidInput(key, "not supported by floe yet")
-        topk = body.get("topk_sample_logprobs") or 0
-        if topk:
-            params = replace(params, top_logprobs=topk)
+        if call.topk_sample:
+            params = replace(params, top_logprobs=call.topk_sample)
+        if call.alt_k and params.seed is None:  # one seed for the samples and the alternative draws
+            params = replace(params, seed=manager.draw_seed())
         rid = self.futures.new(who.id)
 
         def job() -> Reply:
             with self.residency.sampler(row) as (held, info):
-                group = held.sample(info, prompt, num, params)
+                group = held.sample(info, call.prompt, call.num_samples, params)
                 prompt_lp = None
-                if body.get("prompt_logprobs"):
-                    values = [float("nan")] + held.prompt_logprobs(info, prompt)
-                    last_n = body.get("prompt_logprobs_last_n")
-                    if last_n is not None:
-                        values = [float("nan")] * (len(values) - last_n) + values[len(values) - last_n:]
-                    prompt_lp = values
-            return Reply(200, convert.sample_output(group, prompt_lp, topk), PROTO, {VERSION_HEADER: str(info.version)})
+                if call.prompt_logprobs:
+                    prompt_lp = convert.prompt_logprobs_row(held.prompt_logprobs(info, call.prompt), call.last_n)
+                scores = None
+                if call.scores_prompt_distribution:
+                    scores = held.prompt_scores(
+                        info, call.prompt, topk=call.topk_prompt,
+                        target_ids=call.targets.ids if call.targets is not None else None,
+                        alt_k=call.alt_k, temperature=params.temperature, seed=params.seed,
+                    )
+            return Reply(200, convert.sample_output(group, call, prompt_lp, scores), PROTO,
+                         {VERSION_HEADER: str(info.version)})
 
         self.futures.run(rid, self.guarded(job))
         return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(num)]}
@@ -644,19 +646,3 @@ def requests_path(model_path: str) -> tuple[str, str, str]:
 
 def _digest(body: bytes) -> bytes:
     return hashlib.sha256(body).digest()
-
-
-def _prompt_tokens(prompt: Any) -> list[int]:
-    chunks = prompt.get("chunks") if isinstance(prompt, dict) else None
-    if not isinstance(chunks, list):
-        raise InvalidInput("prompt", "must be a ModelInput: {\"chunks\": [{\"type\": \"encoded_text\", \"tokens\": [...]}]}")
-    return [t for chunk in chunks for t in _chunk_tokens(chunk)]
-
-
-def _chunk_tokens(chunk: Any) -> list[int]:
-    if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
-        raise InvalidInput("prompt.chunks", "only encoded_text chunks are supported by floe")
-    tokens = chunk.get("tokens")
-    if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
-        raise InvalidInput("prompt.chunks.tokens", "must be a list of token ids")
-    return tokens
