@@ -138,20 +138,24 @@ def test_bad_adam_params_change_nothing(runs: RunManager) -> None:
     assert runs.optim_step("a", AdamStep()).step == 1  # the pending gradients are still there
 
 
-def test_reload_replaces_a_run_and_close_frees_its_adapters(runs: RunManager, tmp_path: Path) -> None:
+def test_reload_replaces_a_run_and_samplers_live_until_released(runs: RunManager, tmp_path: Path) -> None:
     run = runs.create_run("a", LoraSpec(rank=4, seed=7))
     batch = _batch(4)
     runs.save_state("a", tmp_path / "step0")
     start = runs.forward("a", batch).logprobs
     runs.forward_backward("a", batch, "cross_entropy", {"aggregation": "sum"})
     runs.optim_step("a", AdamStep(learning_rate=1e-2))
-    runs.snapshot("a")
+    snap = runs.snapshot("a")
+    trained = runs.prompt_logprobs(snap, [1, 5, 9, 14])
     assert runs.forward("a", batch).logprobs != start
     reloaded = runs.reload("a", tmp_path / "step0", with_optimizer=True)
     assert runs.forward("a", batch).logprobs == start and reloaded.version == 0
     assert run.adapter not in runs.host.specs and set(runs.runs) == {"a"}
     runs.close_run("a")
-    assert runs.host.specs == {} and runs.runs == {}
+    assert runs.runs == {} and set(runs.host.specs) == {snap.weights}  # the sampler outlives load and close
+    assert runs.prompt_logprobs(snap, [1, 5, 9, 14]) == trained  # with the weights of its version
+    runs.release_sampler(snap)
+    assert runs.host.specs == {}
     again = runs.create_run("a", LoraSpec(rank=4, seed=7))  # the host works again after its last adapter went
     assert runs.forward("a", batch).logprobs == start and again.version == 0
 
@@ -218,14 +222,16 @@ def test_full_run_snapshots_are_frozen_copies_and_sample(full_runs: RunManager) 
     assert full_runs.prompt_logprobs(snap1, seq) != pytest.approx(frozen, abs=1e-4)
     group = full_runs.sample(snap1, seq[:3], 2, floe.SamplingParams(max_tokens=4, seed=0))
     assert [s.weights_version for s in group.samples] == [1, 1] and all(len(s.tokens) == 4 for s in group.samples)
-    for step in range(2):  # two newer snapshots: the version-0 copy is dropped, its sampler says so
+    for _ in range(2):  # newer snapshots drop nothing: a sampler lives until it is released
         full_runs.forward_backward("f", batch, "cross_entropy", {"aggregation": "sum"})
         full_runs.optim_step("f", AdamStep(learning_rate=1e-2))
         full_runs.snapshot("f")
+    assert full_runs.prompt_logprobs(snap0, seq) == frozen
+    full_runs.release_sampler(snap0)
     with pytest.raises(StateError, match="released"):
         full_runs.prompt_logprobs(snap0, seq)
     full_runs.close_run("f")
-    assert full_runs.frozen == {}
+    assert len(full_runs.frozen) == 3  # the others' release is their owner's (the Tinker residency)
 
 
 def test_full_run_state_reloads_in_place_and_continues_identically(full_runs: RunManager, tmp_path: Path) -> None:
@@ -282,6 +288,5 @@ def test_full_run_export_is_a_plain_hf_model_with_the_same_logprobs(full_runs: R
         assert got == pytest.approx(expected, abs=1e-5)
     sampler = full_runs.load_sampler(tmp_path / "export")
     assert (sampler.full, sampler.version, sampler.run_id) == (True, 1, "f")
-    assert full_runs.load_sampler(tmp_path / "export") == sampler  # loaded once while unchanged
     seq = batch.groups[0].prompt + batch.groups[0].samples[0].tokens
     assert full_runs.prompt_logprobs(sampler, seq) == pytest.approx(want[0], abs=1e-6)
