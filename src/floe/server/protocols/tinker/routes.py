@@ -7,11 +7,11 @@ credentials) and passes it to the service, which keeps tenants apart. The one ex
 CLI fetch those with no headers, as they would from cloud storage).
 
 Model-touching POSTs return a future (`{"request_id", ...}`) at once; `retrieve_future`
-long-polls up to `LONG_POLL_S` (under the SDK's 45 s read timeout) and then answers 408 with
-`{"type": "try_again"}`, which the SDK re-polls at once and without a log line (a 200
-`try_again` makes it warn at every poll). forward_backward bodies and results and sample results
-are protobuf (`schema.py`); everything else is JSON. Sample results carry the weights version
-in the `X-Floe-Weights-Version` header (beyond Tinker).
+long-polls up to `[server] tinker_long_poll_s` (default 20 s, under the SDK's 45 s read timeout)
+and then answers 408 with `{"type": "try_again"}`, which the SDK re-polls at once and without a
+log line (a 200 `try_again` makes it warn at every poll). forward_backward bodies and results
+and sample results are protobuf (`schema.py`); everything else is JSON. Sample results carry the
+weights version in the `X-Floe-Weights-Version` header (beyond Tinker).
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from floe.server.protocols.tinker import requests as rq
 from floe.server.protocols.tinker.service import Bounds, TinkerService, _digest
 from floe.server.protocols.tinker.store import Limits, Store
 
-LONG_POLL_S = 20.0
 DOWNLOAD_PREFIX = "/api/v1/download/"
 URL_LIFETIME_S = 3600
 MAX_PAGE = 1000
@@ -67,7 +66,8 @@ def build_service(state: Any) -> TinkerService:
                                                   samplers_per_session=config.tinker_max_samplers_per_session))
     bounds = Bounds(samples_per_request=config.tinker_max_samples_per_request,
                     sampled_tokens_per_request=config.tinker_max_sampled_tokens_per_request,
-                    session_timeout_s=config.tinker_session_timeout_s, gap_timeout_s=config.sequence_timeout_s)
+                    session_timeout_s=config.tinker_session_timeout_s, gap_timeout_s=config.sequence_timeout_s,
+                    min_ttl_s=config.tinker_min_ttl_s)
     return TinkerService(bases, names, tokenizer_ids, root, bounds, store,
                          (config.tinker_max_live_runs, config.tinker_max_live_samplers, config.tinker_max_live_bases),
                          config.tinker_full_finetune)
@@ -114,6 +114,9 @@ def tinker_router(state: Any) -> APIRouter:
     signer = _Signer(service.layout.root)
     router = APIRouter(prefix="/api/v1")
     router.tinker_service = service  # type: ignore[attr-defined]  # the app closes it; tests reach the live service
+    state.metrics.watch("floe_tinker_in_memory", "what the Tinker service holds in memory (runs, samplers, bases: "
+                        "the residency's; base_models, adapters, full_models: the base models' managers')", "what",
+                        service.residency.memory)
 
     async def json_of(request: Request, model: type[rq.M]) -> tuple[rq.M, bytes]:
         raw = await request.body()
@@ -232,7 +235,7 @@ def tinker_router(state: Any) -> APIRouter:
         who = principal_of(request)
         if not service.futures.known(req.request_id, who.id):
             raise NotFound("request_id", f"no request {req.request_id[:80]!r} for this key (unknown or expired)")
-        reply = await service.futures.wait(req.request_id, LONG_POLL_S)
+        reply = await service.futures.wait(req.request_id, config.tinker_long_poll_s)
         if reply is None:
             return JSONResponse({"type": "try_again", "request_id": req.request_id, "queue_state": "active"},
                                 status_code=408)

@@ -75,6 +75,7 @@ class Bounds:
     sampled_tokens_per_request: int = 1 << 20  # num_samples x max_tokens
     session_timeout_s: float = 600.0
     gap_timeout_s: float = 30.0
+    min_ttl_s: int = 3600  # the shortest checkpoint ttl_seconds ([server] tinker_min_ttl_s)
 
 
 class TinkerService:
@@ -196,7 +197,8 @@ class TinkerService:
     # -- background --------------------------------------------------------------------------
 
     def _sweep_loop(self) -> None:
-        while not self._stop.wait(min(30.0, self.bounds.session_timeout_s / 4)):
+        interval = min(30.0, self.bounds.session_timeout_s / 4, float(self.bounds.min_ttl_s))
+        while not self._stop.wait(interval):
             try:
                 self.sweep(time.time())
             except Exception:
@@ -369,6 +371,13 @@ class TinkerService:
 
     # -- checkpoints ---------------------------------------------------------------------------
 
+    def check_ttl(self, ttl: int | None) -> int | None:
+        """`ttl` (seconds) when it is None or at least the server's minimum; InvalidInput otherwise."""
+        if ttl is not None and ttl < self.bounds.min_ttl_s:
+            raise InvalidInput("ttl_seconds", f"must be at least {self.bounds.min_ttl_s} seconds ([server] "
+                               f"tinker_min_ttl_s), got {ttl}")
+        return ttl
+
     def _checkpoint_target(self, row: RunRow, kind: str, name: str, overwrite: bool) -> Path:
         check_name(name, "path")
         existing = self.store.find_checkpoint(row.id, kind, name)
@@ -392,6 +401,7 @@ class TinkerService:
         if req.path is None:
             raise InvalidInput("path", "give the checkpoint a name (save_state(name))")
         check_name(req.path, "path")
+        self.check_ttl(req.ttl_seconds)
 
         def job() -> Reply:
             directory = self._checkpoint_target(row, "weights", req.path, req.overwrite)  # type: ignore[arg-type]
@@ -406,6 +416,7 @@ class TinkerService:
     def save_weights_external(self, who: Principal, req: requests.SaveWeightsExternal, digest: bytes) -> dict[str, Any]:
         row = self._run(who, req.model_id)
         check_name(req.path, "path")
+        self.check_ttl(req.ttl_seconds)
         if req.age_encryption_recipients:
             raise InvalidInput("age_encryption_recipients", "floe does not encrypt exports; the files stay on this server "
                                "and download over your own connection")
@@ -421,6 +432,7 @@ class TinkerService:
 
     def save_weights_for_sampler(self, who: Principal, req: requests.SaveWeightsForSampler, digest: bytes) -> dict[str, Any]:
         row = self._run(who, req.model_id)
+        self.check_ttl(req.ttl_seconds)
         if req.path is not None:
             check_name(req.path, "path")
         elif req.sampling_session_seq_id is None:
@@ -622,6 +634,7 @@ class TinkerService:
 
     def set_ttl(self, who: Principal, run_id: str, checkpoint_id: str, ttl: int | None) -> None:
         ckpt = self._owned_checkpoint(who, run_id, checkpoint_id)
+        self.check_ttl(ttl)
         self.store.update_checkpoint(ckpt, expires=None if ttl is None else time.time() + ttl)
 
     def checkpoint_files(self, who: Principal, run_id: str, checkpoint_id: str) -> tuple[Checkpoint, list[str]]:
