@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 
 from floe.backend.runs import RunManager
@@ -34,9 +37,12 @@ from floe.models import load_tokenizer
 from floe.names import path_under
 from floe.server.bodies import parse_json_object
 from floe.server.edge import principal_of
+from floe.server.errors import to_api_error
 from floe.server.protocols.tinker import requests as rq
 from floe.server.protocols.tinker.service import Bounds, TinkerService, _digest
 from floe.server.protocols.tinker.store import Limits, Store
+
+log = logging.getLogger("floe.server.tinker")
 
 DOWNLOAD_PREFIX = "/api/v1/download/"
 URL_LIFETIME_S = 3600
@@ -107,12 +113,40 @@ def _page(request: Request, default_limit: int) -> tuple[int, int]:
     return out[0], out[1]
 
 
+def _scrubbing_route(service: TinkerService) -> type[APIRoute]:
+    """A route class for how the Tinker routes answer what they raise (a FloeError, or anything
+    unexpected): floe's error body, with `service.scrub` applied (no server path, as in the
+    answers of futures: TinkerService.failure), and a StateError as 400, not 409: the tinker SDK
+    retries a 409 (a lock timeout, to it) ten times with backoff, and model-touching calls for
+    five minutes, so a final refusal would reach the user a minute or more late."""
+
+    class ScrubbedRoute(APIRoute):
+        def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+            handler = super().get_route_handler()
+
+            async def scrubbed(request: Request) -> Response:
+                try:
+                    return await handler(request)
+                except Exception as exc:
+                    error = to_api_error(exc)
+                    if error.status >= 500:
+                        log.exception("tinker route failed", exc_info=exc)
+                    if error.status == 409:
+                        error.status = 400
+                    error.message = service.scrub(error.message)
+                    raise error from None
+
+            return scrubbed
+
+    return ScrubbedRoute
+
+
 def tinker_router(state: Any) -> APIRouter:
     """The router for one `server.app.ServerState`."""
     config = state.config
     service = build_service(state)
     signer = _Signer(service.layout.root)
-    router = APIRouter(prefix="/api/v1")
+    router = APIRouter(prefix="/api/v1", route_class=_scrubbing_route(service))
     router.tinker_service = service  # type: ignore[attr-defined]  # the app closes it; tests reach the live service
     state.metrics.watch("floe_tinker_in_memory", "what the Tinker service holds in memory (runs, samplers, bases: "
                         "the residency's; base_models, adapters, full_models: the base models' managers')", "what",
