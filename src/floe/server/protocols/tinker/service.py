@@ -99,8 +99,9 @@ class TinkerService:
         runs, samplers, base_models = max_live
         self.residency = Residency(bases, self.layout, store, runs, samplers, base_models,
                                    checkpoint_dir=self._checkpoint_dir, next_seq=self._next_seq)
-        for row in store.runs_with_status("live"):  # the server stopped without offloading them
-            store.update_run(row.id, status="lost")
+        for status in ("live", "creating"):  # the server stopped without offloading them (or creating them)
+            for row in store.runs_with_status(status):
+                store.update_run(row.id, status="lost")
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep_loop, name="floe-tinker-sweep", daemon=True)
         self._sweeper.start()
@@ -233,7 +234,11 @@ class TinkerService:
         with self._seq_lock:
             seq = self.sequencers.get(row.id)
             if seq is None:
-                seq = Sequencer(self.futures, row.owner, self.bounds.gap_timeout_s, first_seq=row.next_seq)
+                # A run that cannot come back (lost in a crash or kill, or closed) answers every
+                # request at once, with its error: its recorded next seq_id is stale, and waiting
+                # for the numbers in between would hold each request for the gap timeout first.
+                first = row.next_seq if row.status not in ("lost", "closed") else 2**63
+                seq = Sequencer(self.futures, row.owner, self.bounds.gap_timeout_s, first_seq=first)
                 self.sequencers[row.id] = seq
             return seq
 
