@@ -145,13 +145,15 @@ def test_reload_replaces_a_run_and_close_frees_its_adapters(runs: RunManager, tm
     start = runs.forward("a", batch).logprobs
     runs.forward_backward("a", batch, "cross_entropy", {"aggregation": "sum"})
     runs.optim_step("a", AdamStep(learning_rate=1e-2))
-    runs.snapshot("a")
+    snap = runs.snapshot("a")
     assert runs.forward("a", batch).logprobs != start
     reloaded = runs.reload("a", tmp_path / "step0", with_optimizer=True)
     assert runs.forward("a", batch).logprobs == start and reloaded.version == 0
     assert run.adapter not in runs.host.specs and set(runs.runs) == {"a"}
     runs.close_run("a")
-    assert runs.host.specs == {} and runs.runs == {}
+    assert set(runs.host.specs) == {snap.weights} and runs.runs == {}  # a sampler stays until it is released
+    runs.release_sampler(snap)
+    assert runs.host.specs == {}
     again = runs.create_run("a", LoraSpec(rank=4, seed=7))  # the host works again after its last adapter went
     assert runs.forward("a", batch).logprobs == start and again.version == 0
 
@@ -218,13 +220,19 @@ def test_full_run_snapshots_are_frozen_copies_and_sample(full_runs: RunManager) 
     assert full_runs.prompt_logprobs(snap1, seq) != pytest.approx(frozen, abs=1e-4)
     group = full_runs.sample(snap1, seq[:3], 2, floe.SamplingParams(max_tokens=4, seed=0))
     assert [s.weights_version for s in group.samples] == [1, 1] and all(len(s.tokens) == 4 for s in group.samples)
-    for step in range(2):  # two newer snapshots: the version-0 copy is dropped, its sampler says so
+    later = []
+    for _ in range(2):  # newer snapshots leave the older ones as they were (no cap here: the caller's residency)
         full_runs.forward_backward("f", batch, "cross_entropy", {"aggregation": "sum"})
         full_runs.optim_step("f", AdamStep(learning_rate=1e-2))
-        full_runs.snapshot("f")
+        later.append(full_runs.snapshot("f"))
+    assert full_runs.prompt_logprobs(snap0, seq) == frozen
+    full_runs.release_sampler(snap0)
     with pytest.raises(StateError, match="released"):
         full_runs.prompt_logprobs(snap0, seq)
     full_runs.close_run("f")
+    assert len(full_runs.frozen) == 3  # samplers outlive their run until released
+    for snap in (snap1, *later):
+        full_runs.release_sampler(snap)
     assert full_runs.frozen == {}
 
 
@@ -282,6 +290,8 @@ def test_full_run_export_is_a_plain_hf_model_with_the_same_logprobs(full_runs: R
         assert got == pytest.approx(expected, abs=1e-5)
     sampler = full_runs.load_sampler(tmp_path / "export")
     assert (sampler.full, sampler.version, sampler.run_id) == (True, 1, "f")
-    assert full_runs.load_sampler(tmp_path / "export") == sampler  # loaded once while unchanged
+    again = full_runs.load_sampler(tmp_path / "export")  # each load is a sampler of its own, until released
+    assert again.weights != sampler.weights and (again.full, again.version) == (True, 1)
+    full_runs.release_sampler(again)
     seq = batch.groups[0].prompt + batch.groups[0].samples[0].tokens
     assert full_runs.prompt_logprobs(sampler, seq) == pytest.approx(want[0], abs=1e-6)
