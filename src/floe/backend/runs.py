@@ -330,10 +330,12 @@ class RunManager:
 
     def in_memory(self) -> dict[str, int]:
         """What this manager holds in memory now: its base model (0 or 1), LoRA adapters on it
-        (runs' and samplers'), and whole models of full runs and their samplers."""
+        (runs' and samplers'), and whole models of full runs and their samplers. Read without
+        locks (counts for metrics, never waiting for a model call)."""
         host = self._host
+        full_runs = sum(run.full for run in list(self.runs.values()))
         return {"base_models": int(host is not None), "adapters": len(host.specs) if host is not None else 0,
-                "full_models": len(self.frozen) + sum(1 for r in self.runs.values() if r.full)}
+                "full_models": len(self.frozen) + full_runs}
 
     def unload(self) -> None:
         """Drop the base model from memory (it loads again on next use). Only when no run and
