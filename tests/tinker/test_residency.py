@@ -43,7 +43,7 @@ def second_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory, tinker_model: Path, second_model: Path):
     common = (f'tinker_base_models = ["{second_model}"]\nserved_model_name = "{ALIAS}"\n'
-              "tinker_long_poll_s = 0.2\n")
+              "tinker_long_poll_s = 0.1\n")
     bounded_toml = common + "".join(f"tinker_max_live_{k} = {BOUNDS[k]}\n" for k in ("runs", "samplers", "bases"))
     root = tmp_path_factory.mktemp("residency")
     procs = {"bounded": start_tinker_server(root / "bounded", tinker_model, bounded_toml, wait=False),
@@ -203,7 +203,7 @@ def test_bounded_memory_gives_exactly_the_values_of_unbounded_memory(servers, ti
 
 
 def test_long_operations_wait_quietly(servers, caplog: pytest.LogCaptureFixture) -> None:
-    """An operation longer than the server's long poll (`tinker_long_poll_s = 0.2` here) is
+    """An operation longer than the server's long poll (`tinker_long_poll_s = 0.1` here) is
     polled with 408 try_again answers, which the SDK repeats without a log line."""
     import tinker  # noqa: PLC0415
     from tinker import types  # noqa: PLC0415
