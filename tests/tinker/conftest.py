@@ -30,29 +30,43 @@ def _sdk_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TINKER_API_KEY", API_KEY)
 
 
+def start_tinker_server(directory: Path, model: Path, server_toml: str = "", state_dir: Path | None = None,
+                        port: int | None = None, wait: bool = True) -> ServerProcess:
+    """A server on `state_dir` (default `directory/states`; extra `[server]` TOML lines allowed),
+    its config and log in `directory`. `port`: that one (a restart on the same address);
+    default a free one. `wait=False` returns at once (call `wait_ready()`), so that several
+    servers start together."""
+    directory.mkdir(parents=True, exist_ok=True)
+    state_dir = state_dir or directory / "states"
+    n = len(list(directory.glob("serve-*.toml")))
+    config = write_config(directory / f"serve-{n}.toml", model, state_dir, server_toml)
+    for attempt in range(3):
+        # free_port() only finds a port that was free a moment ago; on a shared machine
+        # another process may bind it before the server does, so that case tries a new one.
+        proc = ServerProcess(config, port or free_port(), directory / f"server-{n}-{attempt}.log")
+        proc.state_dir = state_dir  # type: ignore[attr-defined]
+        if not wait:
+            return proc
+        try:
+            return proc.wait_ready()
+        except RuntimeError as exc:
+            proc.stop(signal.SIGKILL)
+            if "address already in use" not in str(exc) or attempt == 2 or port is not None:
+                raise
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture
 def tinker_server(tmp_path: Path, tinker_model: Path):
-    """Factory: a server on a fresh state dir (extra `[server]` TOML lines allowed)."""
+    """Factory: a server on a fresh state dir (see start_tinker_server); all killed at teardown."""
     servers: list[ServerProcess] = []
 
-    def start(server_toml: str = "", state_dir: Path | None = None) -> ServerProcess:
-        config = write_config(tmp_path / f"serve-{len(servers)}.toml", tinker_model, state_dir or tmp_path / "states",
-                              server_toml)
-        for attempt in range(3):
-            # free_port() only finds a port that was free a moment ago; on a shared machine
-            # another process may bind it before the server does, so that case tries a new one.
-            proc = ServerProcess(config, free_port(), tmp_path / f"server-{len(servers)}-{attempt}.log")
-            servers.append(proc)
-            try:
-                proc.wait_ready()
-                break
-            except RuntimeError as exc:
-                if "address already in use" not in str(exc) or attempt == 2:
-                    raise
-        proc.state_dir = state_dir or tmp_path / "states"  # type: ignore[attr-defined]
+    def start(server_toml: str = "", state_dir: Path | None = None, port: int | None = None,
+              wait: bool = True) -> ServerProcess:
+        proc = start_tinker_server(tmp_path, tinker_model, server_toml, state_dir or tmp_path / "states", port, wait)
+        servers.append(proc)
         return proc
 
     yield start
     for s in servers:
         s.stop(signal.SIGKILL)
-

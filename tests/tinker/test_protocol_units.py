@@ -10,7 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from floe.errors import InvalidInput, StateError
+from floe.errors import InvalidInput
+from floe.server.errors import ApiError
 from floe.server.protocols.tinker import convert, schema
 from floe.server.protocols.tinker.futures import Futures, Reply, Sequencer
 
@@ -120,8 +121,9 @@ def test_a_reused_seq_id_with_other_data_is_refused_not_answered_with_the_old_re
     order: list[int] = []
     first = seq.submit(1, _recorder(order, 1), digest=b"a")
     assert seq.submit(1, _recorder(order, 1), digest=b"a") == first  # the same request again: a retry
-    with pytest.raises(StateError, match="seq_id 1"):
+    with pytest.raises(ApiError, match="seq_id 1") as err:
         seq.submit(1, _recorder(order, 2), digest=b"b")
+    assert (err.value.status, err.value.error) == (409, "sequence_reused")
     _wait(futures, [first])
     assert order == [1]
     futures.close()

@@ -381,6 +381,15 @@ class RunManager:
         """forward_backward calls of the run not yet applied by optim_step."""
         return self._run(run_id).zone.pending_calls
 
+    def in_memory(self) -> dict[str, int]:
+        """What this manager holds in memory now: its base model (0 or 1), LoRA adapters on it
+        (runs' and samplers'), and whole models of full runs and their samplers. Read without
+        locks (counts for metrics, never waiting for a model call)."""
+        host = self._host
+        full_runs = sum(run.full for run in list(self.runs.values()))
+        return {"base_models": int(host is not None), "adapters": len(host.specs) if host is not None else 0,
+                "full_models": len(self.frozen) + full_runs}
+
     def unload(self) -> None:
         """Drop the base model from memory (it loads again on next use). Only when no run and
         no sampler of this manager is in memory: StateError otherwise."""

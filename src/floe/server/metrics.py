@@ -3,9 +3,11 @@ latency, tokens sampled and trained, policy step, weights version, sync time."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 from floe.protocol.ops import OPS
 from floe.types import Info
@@ -25,6 +27,10 @@ class Metrics:
         self.policy_step = Gauge("floe_policy_step", "optimizer steps applied", registry=r)
         self.weights_version = Gauge("floe_weights_version", "the sampler's weights version", registry=r)
         self.sync_seconds = Histogram("floe_sync_seconds", "sync_weights duration", buckets=_LATENCY_BUCKETS, registry=r)
+
+    def watch(self, name: str, documentation: str, label: str, values: Callable[[], dict[str, float]]) -> None:
+        """A gauge read at every scrape: one sample per key of `values()`, labelled `label`."""
+        self.registry.register(_Watched(name, documentation, label, values))
 
     def observe_request(self, route: str, status: int, seconds: float) -> None:
         self.requests.labels(route, str(status)).inc()
@@ -59,3 +65,19 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Watched:
+    """A custom collector (Metrics.watch)."""
+
+    def __init__(self, name: str, documentation: str, label: str, values: Callable[[], dict[str, float]]):
+        self.name, self.documentation, self.label, self.values = name, documentation, label, values
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return [GaugeMetricFamily(self.name, self.documentation, labels=[self.label])]
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(self.name, self.documentation, labels=[self.label])
+        for key, value in self.values().items():
+            family.add_metric([key], value)
+        yield family

@@ -64,6 +64,12 @@ class ServerConfig(StrictModel):
     tinker_session_timeout_s: float = Field(
         600, gt=0, description="a Tinker session without a heartbeat for this long ends (its runs and samplers are "
         "freed; checkpoints stay)")
+    tinker_long_poll_s: float = Field(
+        20, gt=0, lt=45, description="how long one retrieve_future waits for a result before answering 408 try_again "
+        "(the SDK polls again at once, quietly); under the SDK's 45 s read timeout")
+    tinker_min_ttl_s: int = Field(
+        3600, ge=1, description="the shortest checkpoint ttl_seconds accepted (the SDK documents 1 hour); lower it "
+        "only to test expiry: expired checkpoints are swept at least this often")
     tinker_chunk_datums: int = Field(
         1024, ge=1, description="datums per forward_backward request the tinker SDK sends (its client config)"
     )

@@ -12,7 +12,7 @@ TrainingClient); each runs only after every smaller one, so the chunks of a forw
 that arrive out of order are applied in `seq_id` order. A gap that stays open longer than
 `gap_timeout_s` (a request the client reserved but never sent) is skipped. A re-sent `seq_id`
 with the same body gets the original `request_id` (idempotent retries); with a different body
-it is refused (StateError, 409): answering the old result would silently drop the new request.
+it is refused (409 `sequence_reused`): answering the old result would silently drop the new request.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from floe.errors import StateError
+from floe.server.errors import ApiError
 
 
 @dataclass
@@ -130,14 +130,15 @@ class Sequencer:
 
     def submit(self, seq_id: int | None, job: Callable[[], Reply], digest: bytes = b"") -> str:
         """The request_id of `job` at `seq_id` (the earlier one for a re-sent seq_id with the same
-        `digest`; StateError for one with another). A request without a seq_id, or one whose turn
+        `digest`; ApiError 409 for one with another). A request without a seq_id, or one whose turn
         was skipped, runs as soon as the run is free."""
         with self._lock:
             if seq_id is not None and seq_id in self.seen:
                 rid, before = self.seen[seq_id]
                 if before != digest:
-                    raise StateError(f"seq_id {seq_id} of this training run was already used for another request; "
-                                     "a retry must resend the same request, a new request needs the next seq_id")
+                    raise ApiError(409, "sequence_reused", f"seq_id {seq_id} of this training run was already used for "
+                                   "another request; a retry must resend the same request, a new request needs the "
+                                   "next seq_id", "seq_id")
                 return rid
             rid = self.futures.new(self.owner)
             if seq_id is not None:

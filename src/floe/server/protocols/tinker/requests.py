@@ -25,8 +25,8 @@ __all__ = [
 
 MAX_METADATA_ITEMS = 64  # keys of a user_metadata map
 MAX_TAGS = 64
-MAX_TTL_S = 10 * 365 * 86400  # the SDK's documented range: 1 hour to 10 years
-MIN_TTL_S = 3600
+MAX_TTL_S = 10 * 365 * 86400  # the SDK's documented range: 1 hour to 10 years; the lower
+# bound is the server's ([server] tinker_min_ttl_s, TinkerService.check_ttl)
 def _text() -> Any:
     return Field(max_length=1024)
 
@@ -114,7 +114,7 @@ class SaveWeights(Strict):
     model_id: str = _text()
     path: str | None = _maybe_text()
     seq_id: int | None = Field(None, ge=0, lt=2**63)
-    ttl_seconds: int | None = Field(None, ge=MIN_TTL_S, le=MAX_TTL_S)
+    ttl_seconds: int | None = Field(None, ge=1, le=MAX_TTL_S)
     overwrite: bool = False
     user_metadata: dict[str, str] | None = Field(None, max_length=MAX_METADATA_ITEMS)
     type: Literal["save_weights"] = "save_weights"
@@ -126,7 +126,7 @@ class SaveWeightsForSampler(Strict):
     sampling_session_seq_id: int | None = Field(None, ge=0, lt=2**63)
     kind: Literal["snapshot", "inflight"] = "snapshot"
     seq_id: int | None = Field(None, ge=0, lt=2**63)
-    ttl_seconds: int | None = Field(None, ge=MIN_TTL_S, le=MAX_TTL_S)
+    ttl_seconds: int | None = Field(None, ge=1, le=MAX_TTL_S)
     user_metadata: dict[str, str] | None = Field(None, max_length=MAX_METADATA_ITEMS)
     type: Literal["save_weights_for_sampler"] = "save_weights_for_sampler"
 
@@ -135,7 +135,7 @@ class SaveWeightsExternal(Strict):
     model_id: str = _text()
     path: str = _text()
     seq_id: int | None = Field(None, ge=0, lt=2**63)
-    ttl_seconds: int | None = Field(None, ge=MIN_TTL_S, le=MAX_TTL_S)
+    ttl_seconds: int | None = Field(None, ge=1, le=MAX_TTL_S)
     age_encryption_recipients: list[str] | None = None
     type: Literal["save_weights_external"] = "save_weights_external"
 
@@ -168,7 +168,7 @@ class FutureRetrieve(Strict):
 
 
 class SetTtl(Strict):
-    ttl_seconds: int | None = Field(None, ge=MIN_TTL_S, le=MAX_TTL_S)
+    ttl_seconds: int | None = Field(None, ge=1, le=MAX_TTL_S)
 
 
 class WeightsInfo(Strict):

@@ -82,6 +82,17 @@ class Residency:
         with self._lock:
             return list(self._bases)
 
+    def memory(self) -> dict[str, int]:
+        """What is in memory now (the server's metrics): the runs, samplers and base models this
+        residency holds, and what the base models' managers really hold (`RunManager.in_memory`:
+        loaded base models, LoRA adapters, whole models). Counts read without the lock, which a
+        restore holds while it reads from disk: a scrape never waits for one."""
+        out = {"runs": len(self._runs), "samplers": len(self._samplers), "bases": len(self._bases)}
+        for manager in self.bases.values():
+            for key, count in manager.in_memory().items():
+                out[key] = out.get(key, 0) + count
+        return out
+
     # -- bases ---------------------------------------------------------------------------------
 
     def manager(self, base: str) -> RunManager:

@@ -7,25 +7,28 @@ credentials) and passes it to the service, which keeps tenants apart. The one ex
 CLI fetch those with no headers, as they would from cloud storage).
 
 Model-touching POSTs return a future (`{"request_id", ...}`) at once; `retrieve_future`
-long-polls up to `LONG_POLL_S` (under the SDK's 45 s read timeout) and then answers 408 with
-`{"type": "try_again"}`, which the SDK re-polls at once and without a log line (a 200
-`try_again` makes it warn at every poll). forward_backward bodies and results and sample results
-are protobuf (`schema.py`); everything else is JSON. Sample results carry the weights version
-in the `X-Floe-Weights-Version` header (beyond Tinker).
+long-polls up to `[server] tinker_long_poll_s` (default 20 s, under the SDK's 45 s read timeout)
+and then answers 408 with `{"type": "try_again"}`, which the SDK re-polls at once and without a
+log line (a 200 `try_again` makes it warn at every poll). forward_backward bodies and results
+and sample results are protobuf (`schema.py`); everything else is JSON. Sample results carry the
+weights version in the `X-Floe-Weights-Version` header (beyond Tinker).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 
 from floe.backend.runs import RunManager
@@ -34,12 +37,14 @@ from floe.models import load_tokenizer
 from floe.names import path_under
 from floe.server.bodies import parse_json_object
 from floe.server.edge import principal_of
+from floe.server.errors import to_api_error
 from floe.server.protocols.tinker import requests as rq
 from floe.server.protocols.tinker.service import Bounds, TinkerService, _digest
 from floe.server.protocols.tinker.store import Limits, Store
 from floe.server.state import ServerState
 
-LONG_POLL_S = 20.0
+log = logging.getLogger("floe.server.tinker")
+
 DOWNLOAD_PREFIX = "/api/v1/download/"
 URL_LIFETIME_S = 3600
 MAX_PAGE = 1000
@@ -68,7 +73,8 @@ def build_service(state: ServerState) -> TinkerService:
                                                   samplers_per_session=config.tinker_max_samplers_per_session))
     bounds = Bounds(samples_per_request=config.tinker_max_samples_per_request,
                     sampled_tokens_per_request=config.tinker_max_sampled_tokens_per_request,
-                    session_timeout_s=config.tinker_session_timeout_s, gap_timeout_s=config.sequence_timeout_s)
+                    session_timeout_s=config.tinker_session_timeout_s, gap_timeout_s=config.sequence_timeout_s,
+                    min_ttl_s=config.tinker_min_ttl_s)
     return TinkerService(bases, names, tokenizer_ids, root, bounds, store,
                          (config.tinker_max_live_runs, config.tinker_max_live_samplers, config.tinker_max_live_bases),
                          config.tinker_full_finetune)
@@ -108,13 +114,44 @@ def _page(request: Request, default_limit: int) -> tuple[int, int]:
     return out[0], out[1]
 
 
+def _scrubbing_route(service: TinkerService) -> type[APIRoute]:
+    """A route class for how the Tinker routes answer what they raise (a FloeError, or anything
+    unexpected): floe's error body, with `service.scrub` applied (no server path, as in the
+    answers of futures: TinkerService.failure), and a StateError as 400, not 409 (a seq_id reused for other data stays 409): the tinker SDK
+    retries a 409 (a lock timeout, to it) ten times with backoff, and model-touching calls for
+    five minutes, so a final refusal would reach the user a minute or more late."""
+
+    class ScrubbedRoute(APIRoute):
+        def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+            handler = super().get_route_handler()
+
+            async def scrubbed(request: Request) -> Response:
+                try:
+                    return await handler(request)
+                except Exception as exc:
+                    error = to_api_error(exc)
+                    if error.status >= 500:
+                        log.exception("tinker route failed", exc_info=exc)
+                    if error.status == 409 and error.error == "state_error":  # not a reused seq_id's 409
+                        error.status = 400
+                    error.message = service.scrub(error.message)
+                    raise error from None
+
+            return scrubbed
+
+    return ScrubbedRoute
+
+
 def tinker_router(state: ServerState) -> APIRouter:
     """The router for one `ServerState`."""
     config = state.config
     service = build_service(state)
     signer = _Signer(service.layout.root)
-    router = APIRouter(prefix="/api/v1")
+    router = APIRouter(prefix="/api/v1", route_class=_scrubbing_route(service))
     router.tinker_service = service  # type: ignore[attr-defined]  # the app closes it; tests reach the live service
+    state.metrics.watch("floe_tinker_in_memory", "what the Tinker service holds in memory (runs, samplers, bases: "
+                        "the residency's; base_models, adapters, full_models: the base models' managers')", "what",
+                        service.residency.memory)
 
     async def json_of(request: Request, model: type[rq.M]) -> tuple[rq.M, bytes]:
         raw = await request.body()
@@ -233,7 +270,7 @@ def tinker_router(state: ServerState) -> APIRouter:
         who = principal_of(request)
         if not service.futures.known(req.request_id, who.id):
             raise NotFound("request_id", f"no request {req.request_id[:80]!r} for this key (unknown or expired)")
-        reply = await service.futures.wait(req.request_id, LONG_POLL_S)
+        reply = await service.futures.wait(req.request_id, config.tinker_long_poll_s)
         if reply is None:
             return JSONResponse({"type": "try_again", "request_id": req.request_id, "queue_state": "active"},
                                 status_code=408)

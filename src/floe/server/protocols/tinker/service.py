@@ -75,6 +75,7 @@ class Bounds:
     sampled_tokens_per_request: int = 1 << 20  # num_samples x max_tokens
     session_timeout_s: float = 600.0
     gap_timeout_s: float = 30.0
+    min_ttl_s: int = 3600  # the shortest checkpoint ttl_seconds ([server] tinker_min_ttl_s)
 
 
 class TinkerService:
@@ -98,8 +99,9 @@ class TinkerService:
         runs, samplers, base_models = max_live
         self.residency = Residency(bases, self.layout, store, runs, samplers, base_models,
                                    checkpoint_dir=self._checkpoint_dir, next_seq=self._next_seq)
-        for row in store.runs_with_status("live"):  # the server stopped without offloading them
-            store.update_run(row.id, status="lost")
+        for status in ("live", "creating"):  # the server stopped without offloading them (or creating them)
+            for row in store.runs_with_status(status):
+                store.update_run(row.id, status="lost")
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep_loop, name="floe-tinker-sweep", daemon=True)
         self._sweeper.start()
@@ -196,7 +198,8 @@ class TinkerService:
     # -- background --------------------------------------------------------------------------
 
     def _sweep_loop(self) -> None:
-        while not self._stop.wait(min(30.0, self.bounds.session_timeout_s / 4)):
+        interval = min(30.0, self.bounds.session_timeout_s / 4, float(self.bounds.min_ttl_s))
+        while not self._stop.wait(interval):
             try:
                 self.sweep(time.time())
             except Exception:
@@ -231,7 +234,11 @@ class TinkerService:
         with self._seq_lock:
             seq = self.sequencers.get(row.id)
             if seq is None:
-                seq = Sequencer(self.futures, row.owner, self.bounds.gap_timeout_s, first_seq=row.next_seq)
+                # A run that cannot come back (lost in a crash or kill, or closed) answers every
+                # request at once, with its error: its recorded next seq_id is stale, and waiting
+                # for the numbers in between would hold each request for the gap timeout first.
+                first = row.next_seq if row.status not in ("lost", "closed") else 2**63
+                seq = Sequencer(self.futures, row.owner, self.bounds.gap_timeout_s, first_seq=first)
                 self.sequencers[row.id] = seq
             return seq
 
@@ -369,6 +376,13 @@ class TinkerService:
 
     # -- checkpoints ---------------------------------------------------------------------------
 
+    def check_ttl(self, ttl: int | None) -> int | None:
+        """`ttl` (seconds) when it is None or at least the server's minimum; InvalidInput otherwise."""
+        if ttl is not None and ttl < self.bounds.min_ttl_s:
+            raise InvalidInput("ttl_seconds", f"must be at least {self.bounds.min_ttl_s} seconds ([server] "
+                               f"tinker_min_ttl_s), got {ttl}")
+        return ttl
+
     def _checkpoint_target(self, row: RunRow, kind: str, name: str, overwrite: bool) -> Path:
         check_name(name, "path")
         existing = self.store.find_checkpoint(row.id, kind, name)
@@ -392,6 +406,7 @@ class TinkerService:
         if req.path is None:
             raise InvalidInput("path", "give the checkpoint a name (save_state(name))")
         check_name(req.path, "path")
+        self.check_ttl(req.ttl_seconds)
 
         def job() -> Reply:
             directory = self._checkpoint_target(row, "weights", req.path, req.overwrite)  # type: ignore[arg-type]
@@ -406,6 +421,7 @@ class TinkerService:
     def save_weights_external(self, who: Principal, req: requests.SaveWeightsExternal, digest: bytes) -> dict[str, Any]:
         row = self._run(who, req.model_id)
         check_name(req.path, "path")
+        self.check_ttl(req.ttl_seconds)
         if req.age_encryption_recipients:
             raise InvalidInput("age_encryption_recipients", "floe does not encrypt exports; the files stay on this server "
                                "and download over your own connection")
@@ -421,6 +437,7 @@ class TinkerService:
 
     def save_weights_for_sampler(self, who: Principal, req: requests.SaveWeightsForSampler, digest: bytes) -> dict[str, Any]:
         row = self._run(who, req.model_id)
+        self.check_ttl(req.ttl_seconds)
         if req.path is not None:
             check_name(req.path, "path")
         elif req.sampling_session_seq_id is None:
@@ -624,6 +641,7 @@ class TinkerService:
 
     def set_ttl(self, who: Principal, run_id: str, checkpoint_id: str, ttl: int | None) -> None:
         ckpt = self._owned_checkpoint(who, run_id, checkpoint_id)
+        self.check_ttl(ttl)
         self.store.update_checkpoint(ckpt, expires=None if ttl is None else time.time() + ttl)
 
     def checkpoint_files(self, who: Principal, run_id: str, checkpoint_id: str) -> tuple[Checkpoint, list[str]]:
