@@ -14,6 +14,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from floe.backend.runs import AdamStep
 from floe.errors import InvalidInput
 from floe.server.bodies import parse_json_object
 
@@ -81,33 +82,25 @@ class GetInfo(Strict):
     type: Literal["get_info"] = "get_info"
 
 
-class AdamParams(Strict):
-    """Tinker's AdamParams; ranges are checked by `floe.backend.runs.AdamStep.to_config`."""
-
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
-    type: Literal["adam", "adamw"] | None = None
-
-
 class OptimStep(Strict):
-    adam_params: AdamParams | None = None
-    optim_params: AdamParams | None = None
+    """`adam_params` (or the SDK's aliases) is checked by `floe.backend.runs.AdamStep.from_json`:
+    the one definition of Tinker's AdamParams in floe (fields, defaults, types, ranges)."""
+
+    adam_params: dict[str, Any] | None = None
+    optim_params: dict[str, Any] | None = None
     optimizer_params: dict[str, Any] | None = None
     model_id: str = _text()
     seq_id: int | None = Field(None, ge=0, lt=2**63)
     type: Literal["optim_step"] = "optim_step"
 
-    def adam(self) -> AdamParams:
+    def adam(self) -> AdamStep:
+        """The step's AdamW hyper-parameters; InvalidInput naming `adam_params.<field>`."""
         if self.optimizer_params is not None:
             raise InvalidInput("optimizer_params", "floe trains with AdamW: send adam_params (types.AdamParams)")
-        params = self.adam_params or self.optim_params
+        params = self.adam_params if self.adam_params is not None else self.optim_params
         if params is None:
             raise InvalidInput("adam_params", "floe trains with AdamW: send adam_params (types.AdamParams)")
-        return params
+        return AdamStep.from_json(params)
 
 
 class SaveWeights(Strict):

@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from floe.backend.runs import AdamStep, RunManager
+from floe.backend.runs import RunManager
 from floe.backend.state import read_meta
 from floe.compute.losses import TokenInputs, compute_loss, resolve_loss
 from floe.errors import FloeError, InvalidInput, StateError
@@ -360,9 +360,7 @@ class TinkerService:
 
     def optim_step(self, who: Principal, req: requests.OptimStep, digest: bytes) -> dict[str, Any]:
         row = self._run(who, req.model_id)
-        adam = req.adam()
-        step = AdamStep(**adam.model_dump(exclude={"type"}))
-        step.to_config()  # out-of-range values refused now, before the request is queued
+        step = req.adam()  # types and ranges refused now, before the request is queued
 
         def job() -> Reply:
             with self.residency.run(row) as manager:
