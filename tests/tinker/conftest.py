@@ -32,12 +32,13 @@ def _sdk_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def tinker_server(tmp_path: Path, tinker_model: Path):
-    """Factory: a server on a fresh state dir (extra `[server]` TOML lines allowed)."""
+    """Factory: a server on a fresh state dir (extra `[server]` TOML lines allowed), serving
+    `model` (default: the tiny `tinker_model`)."""
     servers: list[ServerProcess] = []
 
-    def start(server_toml: str = "", state_dir: Path | None = None) -> ServerProcess:
-        config = write_config(tmp_path / f"serve-{len(servers)}.toml", tinker_model, state_dir or tmp_path / "states",
-                              server_toml)
+    def start(server_toml: str = "", state_dir: Path | None = None, model: Path | None = None) -> ServerProcess:
+        config = write_config(tmp_path / f"serve-{len(servers)}.toml", model or tinker_model,
+                              state_dir or tmp_path / "states", server_toml)
         for attempt in range(3):
             # free_port() only finds a port that was free a moment ago; on a shared machine
             # another process may bind it before the server does, so that case tries a new one.
