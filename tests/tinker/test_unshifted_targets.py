@@ -131,6 +131,15 @@ def test_a_position_with_another_target_carries_no_loss_in_forward_backward(loss
     assert convert.forward_request_to_floe(msg).retarget[0][0] == [0, 1, 2, 3]
 
 
+def test_a_target_outside_the_vocabulary_is_refused_naming_the_datum_field() -> None:
+    tokens, inputs = rl_loop_inputs()
+    msg = request("importance_sampling")
+    add_datum(msg, tokens, dict(inputs, target_tokens=[0, 500, 0, 0, *SAMPLED]))
+    with pytest.raises(InvalidInput, match="position 1: token id 500") as err:
+        convert.forward_request_to_floe(msg, vocab_size=108)
+    assert err.value.field == "data[0].loss_fn_inputs.target_tokens"
+
+
 @pytest.mark.parametrize(("loss", "config"), [("importance_sampling", None), ("ppo", None), ("cispo", None),
                                               ("gspo", None), ("dro", {"beta": 0.0})])
 def test_rl_loop_datums_are_accepted_for_every_rl_loss(loss, config) -> None:

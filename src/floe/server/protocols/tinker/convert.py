@@ -367,10 +367,12 @@ def _check_unshifted(where: str, loss_fn: str, inputs: dict[str, np.ndarray], of
             )
 
 
-def forward_request_to_floe(request: Any, lookup: Lookup | None = None, stability_bound: int = 0) -> FloeCall:
+def forward_request_to_floe(request: Any, lookup: Lookup | None = None, stability_bound: int = 0,
+                            vocab_size: int | None = None) -> FloeCall:
     """A decoded `ForwardBackwardRequest` chunk as one floe call (InvalidInput naming the
     datum field that does not fit). `lookup(sequence_id)` finds the caller's stability records
-    (stable_reinforce; `stability_bound` is the server's per-key bound, for messages)."""
+    (stable_reinforce; `stability_bound` is the server's per-key bound, for messages);
+    `vocab_size`: targets scored off the batch (not the next input token) must be below it."""
     if not request.data:
         raise InvalidInput("data", "no datums")
     loss_fn = request.loss_fn
@@ -390,6 +392,11 @@ def forward_request_to_floe(request: Any, lookup: Lookup | None = None, stabilit
         inputs = {key: _tensor(f"{where}.loss_fn_inputs.{key}", datum.loss_fn_inputs[key], key, n) for key in keys}
         target = inputs["target_tokens"]
         off = np.flatnonzero(np.asarray(tokens[1:], dtype=np.int64) != target[:-1])
+        if vocab_size is not None and off.size:
+            bad = off[(target[off] < 0) | (target[off] >= vocab_size)]
+            if bad.size:
+                raise InvalidInput(f"{where}.loss_fn_inputs.target_tokens", f"position {int(bad[0])}: token id "
+                                   f"{int(target[bad[0]])} is outside the vocabulary [0, {vocab_size})")
         # The batch scores the next input token everywhere (the last position: the last target).
         natural = [*tokens[1:], int(target[-1])]
         retarget.append((off.tolist(), target[off].tolist()))

@@ -320,7 +320,7 @@ class TinkerService:
 
         def job() -> Reply:
             call = convert.forward_request_to_floe(request, lambda sid: self.stability.get(who, sid),
-                                                   self.bounds.stability_tokens)
+                                                   self.bounds.stability_tokens, self.bases[row.base].vocab_size)
             with self.residency.run(row) as manager:
                 # Targets that are not the next input token first: it checks them, and changes nothing.
                 exact = manager.target_logprobs(row.id, call.target_queries())
