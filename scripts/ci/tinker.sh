@@ -4,16 +4,18 @@
 #
 # tinker-cookbook goes in with --no-deps plus its other requirements: it declares
 # tml-renderers>=0.4.1, which is not on the package index here and is only imported for
-# Inkling / Kimi models. Usage: bash scripts/ci/tinker.sh [extra pytest args]
+# Inkling / Kimi models. Its `math-rl` extra (math-verify, pylatexenc, sympy) comes too: the
+# math_rl recipe and rl_loop.py import its grader. Usage: bash scripts/ci/tinker.sh [extra pytest args]
 source "$(dirname "$0")/lib.sh"
 
 TINKER_PIN="tinker==0.38.0"
 COOKBOOK_PIN="tinker-cookbook==0.6.1"
+COOKBOOK_EXTRAS="math-rl"
 EXCLUDED="tml-renderers torch"
-if stack_env tinker "$TORCH_PIN $TINKER_PIN $COOKBOOK_PIN excluded:$EXCLUDED"; then
+if stack_env tinker "$TORCH_PIN $TINKER_PIN $COOKBOOK_PIN[$COOKBOOK_EXTRAS] excluded:$EXCLUDED"; then
   "$VENV/bin/pip" install --quiet "$TINKER_PIN"
   "$VENV/bin/pip" install --quiet --no-deps "$COOKBOOK_PIN"
-  requirements_of tinker-cookbook "$EXCLUDED" > "$VENV/cookbook-requirements.txt"
+  requirements_of tinker-cookbook "$EXCLUDED" $COOKBOOK_EXTRAS > "$VENV/cookbook-requirements.txt"
   "$VENV/bin/pip" install --quiet -r "$VENV/cookbook-requirements.txt"
   stack_built
 fi

@@ -58,12 +58,14 @@ def start_tinker_server(directory: Path, model: Path, server_toml: str = "", sta
 
 @pytest.fixture
 def tinker_server(tmp_path: Path, tinker_model: Path):
-    """Factory: a server on a fresh state dir (see start_tinker_server); all killed at teardown."""
+    """Factory: a server on a fresh state dir (see start_tinker_server), serving `model` (default:
+    the tiny `tinker_model`); all killed at teardown."""
     servers: list[ServerProcess] = []
 
     def start(server_toml: str = "", state_dir: Path | None = None, port: int | None = None,
-              wait: bool = True) -> ServerProcess:
-        proc = start_tinker_server(tmp_path, tinker_model, server_toml, state_dir or tmp_path / "states", port, wait)
+              wait: bool = True, model: Path | None = None) -> ServerProcess:
+        proc = start_tinker_server(tmp_path, model or tinker_model, server_toml, state_dir or tmp_path / "states", port,
+                                   wait)
         servers.append(proc)
         return proc
 

@@ -329,6 +329,53 @@ class RunManager:
         with self._training(run):
             return run.zone.forward(batch, 1.0, False)
 
+    def target_logprobs(self, run_id: str, queries: list[tuple[list[int], list[int], list[int]]]) -> list[list[float]]:
+        """For each (tokens, positions, targets): log p(targets[k] | tokens[:positions[k] + 1])
+        under the run's current weights (temperature 1), i.e. the log-prob of any target at a
+        position, not only the next token (Tinker datums whose targets are not the input
+        shifted by one). Exact: the logits at each position (`scoring.next_token_logits`, one
+        gradient-free forward of the prefix up to the last position asked), log-softmax in fp32.
+        Queries with the same prefix, positions and targets are computed once. Every id and
+        position is checked (InvalidInput) before the model runs; nothing changes state."""
+        run = self._run(run_id)
+        vocab, context = self.vocab_size, self.max_context
+        for q, (tokens, positions, targets) in enumerate(queries):
+            if len(positions) != len(targets) or not positions:
+                raise InvalidInput(f"queries[{q}]", "one target per position, at least one")
+            if len(tokens) > context:
+                raise InvalidInput(f"queries[{q}].tokens", f"has {len(tokens)} tokens; the model's context is {context}")
+            if min(positions) < 0 or max(positions) >= len(tokens):
+                raise InvalidInput(f"queries[{q}].positions", f"positions must be in [0, {len(tokens)})")
+            for name, ids in (("tokens", tokens), ("targets", targets)):
+                if min(ids) < 0 or max(ids) >= vocab:
+                    bad = min(ids) if min(ids) < 0 else max(ids)
+                    raise InvalidInput(f"queries[{q}].{name}", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        done: dict[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], list[float]] = {}
+        out: list[list[float]] = []
+        with self._training(run), torch.no_grad():
+            for tokens, positions, targets in queries:
+                last = max(positions)
+                key = (tuple(tokens[: last + 1]), tuple(positions), tuple(targets))
+                if key not in done:
+                    wanted: dict[int, list[int]] = {}
+                    for k, p in enumerate(positions):
+                        wanted.setdefault(p, []).append(k)
+                    values = [0.0] * len(positions)
+                    # next_token_logits(model, t) forwards t[:-1]: rows 0 .. last are the
+                    # distributions after tokens[:1] .. tokens[:last + 1].
+                    prefix = [*tokens[: last + 1], 0]
+                    for start, logits in next_token_logits(run.zone.model, prefix, self.compute.logprob_chunk_tokens):
+                        rows = [p for p in range(start, start + logits.shape[0]) if p in wanted]
+                        if not rows:
+                            continue
+                        logp = torch.log_softmax(logits[[p - start for p in rows]], dim=-1)
+                        for r, p in enumerate(rows):
+                            for k in wanted[p]:
+                                values[k] = float(logp[r, targets[k]])
+                    done[key] = values
+                out.append(done[key])
+        return out
+
     def forward_backward(
         self, run_id: str, batch: Batch, loss: str, loss_config: dict[str, Any] | None
     ) -> ForwardBackwardResult:

@@ -61,6 +61,10 @@ class ServerConfig(StrictModel):
     tinker_max_samples_per_request: int = Field(1024, ge=1, description="num_samples of one Tinker sample request")
     tinker_max_sampled_tokens_per_request: int = Field(
         1 << 20, ge=1, description="num_samples x max_tokens of one Tinker sample request")
+    tinker_max_stability_tokens: int = Field(
+        1 << 23, ge=1, description="tokens of stability info kept per Tinker key (record_stability_info=true: each "
+        "sampled sequence's tokens and sampler log-probs, which stable_reinforce trains with; 8 bytes a token); the "
+        "key's oldest records go first")
     tinker_session_timeout_s: float = Field(
         600, gt=0, description="a Tinker session without a heartbeat for this long ends (its runs and samplers are "
         "freed; checkpoints stay)")

@@ -14,21 +14,33 @@ Loss mapping (Tinker semantics on floe's losses, `aggregation = "sum"`; docs/los
   advantage) become the sample's 0/1 weights; a nonzero advantage outside them is refused (its
   loss would need the ratio of tokens floe does not train).
 * `dro`: floe `dro` with `beta`.
-* `stable_reinforce` and `custom` are refused (NOT_SERVED_LOSSES says why).
+* `stable_reinforce` (floe's definition; Tinker publishes none): truncated-importance-sampling
+  REINFORCE, ℓ_t = −sg(min(exp(logp_t − q_t), C))·A_t·logp_t, which is floe `cispo` with the
+  ratio clipped to [0, C] (clip_low 1, clip_high C − 1; C = `loss_fn_config.ratio_cap`,
+  default 2). q_t is the log-prob the server's sampler recorded for the sampled token the
+  datum's `loss_fn_input_spans` name at position t (`stability.StabilityRecords`), never the
+  client's copy; positions without sampled provenance must have advantage 0. `kl_coeff` (which
+  the SDK's docs name) is refused unless 0: Tinker does not say what it penalises.
+* `custom` is refused (NOT_SERVED_LOSSES says why).
 
 `loss_fn_inputs`: a loss takes exactly its inputs (REQUIRED_INPUTS, OPTIONAL_INPUTS); any other
 key is refused naming it, as Tinker's service takes only the inputs a loss reads (the cookbook
 drops its `mask` before every forward_backward, rl/train.py `_remove_mask`; the SDK sends only
 `target_tokens` and `weights` for custom losses). Every number (inputs, `loss_fn_config`) must
-be finite. Datums must be next-token data (target_tokens = model_input shifted by one, as the
-SDK's helpers and the cookbook build them); a datum becomes a group whose prompt is its first
-input token and whose one sample is `target_tokens`.
+be finite. A datum becomes a group whose prompt is its first input token and whose one sample
+is the input shifted by one plus the last target: the next-token targets. A position whose
+target is not the next input token (rl_loop.py sends 0 on prompt positions) is scored exactly
+by a second, gradient-free pass (`FloeCall.retarget`; the service patches the log-probs), and
+in forward_backward it may carry no loss (weight, advantage, ratio mask, dro's penalty): floe's
+scoring back-propagates through next-token targets only.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
@@ -38,50 +50,80 @@ from floe.backend.validation import MAX_TOP_LOGPROBS, SEED_LIMIT
 from floe.errors import InvalidInput
 from floe.models.lora import LoraSpec
 from floe.server.protocols.tinker import schema
+from floe.server.protocols.tinker.stability import SequenceRecord, missing_record_message
 from floe.types import Batch, Group, Sample, SampledGroup, SamplingParams
 
 if TYPE_CHECKING:
     from floe.backend.runs import PromptScores
 
-RL_LOSSES = ("importance_sampling", "ppo", "cispo", "gspo", "dro")
+RL_LOSSES = ("importance_sampling", "ppo", "cispo", "gspo", "dro", "stable_reinforce")
 SUPPORTED_LOSSES = ("cross_entropy", *RL_LOSSES)
 _RL_INPUTS = frozenset({"target_tokens", "logprobs", "advantages"})
 REQUIRED_INPUTS: dict[str, frozenset[str]] = {"cross_entropy": frozenset({"target_tokens"}),
-                                              **{k: _RL_INPUTS for k in RL_LOSSES}}
+                                              **{k: _RL_INPUTS for k in RL_LOSSES},
+                                              # behaviour log-probs come from the server's record
+                                              "stable_reinforce": frozenset({"target_tokens", "advantages"})}
 OPTIONAL_INPUTS: dict[str, frozenset[str]] = {"cross_entropy": frozenset({"weights"}),
-                                              "gspo": frozenset({"sequence_ratio_mask"})}
+                                              "gspo": frozenset({"sequence_ratio_mask"}),
+                                              "stable_reinforce": frozenset({"logprobs"})}
 _INT_INPUTS = frozenset({"target_tokens"})
 _CLIP_KEYS = frozenset({"clip_low_threshold", "clip_high_threshold"})
 CONFIG_KEYS: dict[str, frozenset[str]] = {"cross_entropy": frozenset(), "importance_sampling": frozenset(),
                                           "ppo": _CLIP_KEYS, "cispo": _CLIP_KEYS, "gspo": _CLIP_KEYS,
-                                          "dro": frozenset({"beta"})}
+                                          "dro": frozenset({"beta"}),
+                                          "stable_reinforce": frozenset({"ratio_cap", "kl_coeff"})}
 DEFAULT_CLIP = (0.8, 1.2)
+DEFAULT_RATIO_CAP = 2.0  # stable_reinforce's C: the importance weight is min(r, C)
+MAX_SEQUENCE_ID = 256  # characters of a provenance span's sequence_id
 
 NOT_SERVED_LOSSES = {
-    "stable_reinforce": (
-        "floe does not serve stable_reinforce: its objective uses stability information that Tinker's sampler "
-        "records (record_stability_info) and Tinker has not published what that information is or the formula "
-        "that uses it, so floe cannot compute the same loss; train with importance_sampling, ppo, cispo or gspo "
-        "(tinker-cookbook: loss_fn='importance_sampling')"
-    ),
     "custom": (
         "server-side custom losses (ServiceClient.create_custom_loss) are not served (this server's client config "
         "says custom_loss_server_side: false); forward_backward_custom with a callable or a client-side LossHandle "
         "works"
     ),
 }
+KL_COEFF_REFUSED = (
+    "floe's stable_reinforce has no KL term and cannot honour a nonzero kl_coeff: Tinker does not publish what it "
+    "penalises (which divergence, against which model, with which estimator). Leave it out or 0; for a KL to a "
+    "reference model use tinker-cookbook's kl_penalty_coef (folded into the advantages)"
+)
 _PER_TOKEN_CLIP = ("per-token clip thresholds are not supported by floe; give one bound for the whole call as "
                    "loss_fn_config.{key}")
 
 
 @dataclass
 class FloeCall:
-    """One forward/forward_backward chunk as floe sees it."""
+    """One forward/forward_backward chunk as floe sees it. `retarget[i]`: datum i's positions
+    whose target is not the next input token, and those targets (their log-probs come from a
+    second pass, `RunManager.target_logprobs`; the batch scores the next input token there)."""
 
     batch: Batch
     loss: str
     loss_config: dict[str, Any]
     lengths: list[int]
+    retarget: list[tuple[list[int], list[int]]] = dataclass_field(default_factory=list)
+
+    def target_queries(self) -> list[tuple[list[int], list[int], list[int]]]:
+        """(model input, positions, targets) of each datum with retargeted positions."""
+        out = []
+        for g, (positions, targets) in zip(self.batch.groups, self.retarget):
+            if positions:
+                out.append((g.prompt + g.samples[0].tokens[:-1], positions, targets))
+        return out
+
+    def patched(self, logprobs: list[list[float]], exact: list[list[float]]) -> list[list[float]]:
+        """`logprobs` (one list per datum, from the batch) with the retargeted positions' values
+        replaced by `exact` (the answers to `target_queries`, in order)."""
+        answers = iter(exact)
+        out = []
+        for values, (positions, _) in zip(logprobs, self.retarget):
+            if positions:
+                values = list(values)
+                for p, v in zip(positions, next(answers)):
+                    values[p] = v
+            out.append(values)
+        return out
 
 
 def finite_number(field: str, value: Any) -> float:
@@ -182,6 +224,15 @@ def floe_loss(loss_fn: str, config: dict[str, Any]) -> tuple[str, dict[str, Any]
         if values["beta"] < 0:
             raise InvalidInput("loss_fn_config.beta", f"must be >= 0, got {values['beta']}")
         out["beta"] = values["beta"]
+    if loss_fn == "stable_reinforce":  # floe's definition: cispo with the ratio clipped to [0, C]
+        if values.get("kl_coeff", 0.0) != 0:
+            raise InvalidInput("loss_fn_config.kl_coeff", KL_COEFF_REFUSED)
+        cap = values.get("ratio_cap", DEFAULT_RATIO_CAP)
+        if cap < 1:
+            raise InvalidInput("loss_fn_config.ratio_cap", f"the cap C on the importance weight min(r, C) must be "
+                                                           f">= 1, got {cap}")
+        out.update(clip_low=1.0, clip_high=cap - 1.0)
+        return "cispo", out
     return loss_fn, out
 
 
@@ -215,13 +266,120 @@ def _gspo_weights(where: str, inputs: dict[str, np.ndarray]) -> list[float]:
     return mask.astype(np.float64).tolist()
 
 
-def forward_request_to_floe(request: Any) -> FloeCall:
+Lookup = Callable[[str], SequenceRecord | None]
+
+
+def _spans(where: str, datum: Any, n: int) -> list[tuple[str, str, int, int]]:
+    """The datum's `loss_fn_input_spans` as (kind, sequence_id, offset, length), kind
+    "prompt_tokens" or "sampled_tokens", checked to tile its n target positions."""
+    out: list[tuple[str, str, int, int]] = []
+    if len(datum.loss_fn_input_spans) > 2 * n + 2:
+        raise InvalidInput(f"{where}.loss_fn_input_spans", f"has {len(datum.loss_fn_input_spans)} spans for {n} "
+                                                           "positions")
+    for j, span in enumerate(datum.loss_fn_input_spans):
+        at = f"{where}.loss_fn_input_spans[{j}]"
+        kind = span.WhichOneof("span")
+        if kind is None:
+            raise InvalidInput(at, "is neither a PromptProvenanceSpan nor a SampledProvenanceSpan")
+        part = getattr(span, kind)
+        if not part.sequence_id or len(part.sequence_id) > MAX_SEQUENCE_ID:
+            raise InvalidInput(f"{at}.sequence_id", f"must be a sequence id of 1 to {MAX_SEQUENCE_ID} characters")
+        if part.offset < 0 or part.length < 0:
+            raise InvalidInput(at, f"offset and length must be >= 0, got {part.offset} and {part.length}")
+        out.append((kind, part.sequence_id, int(part.offset), int(part.length)))
+    covered = sum(length for *_, length in out)
+    if out and covered != n:
+        raise InvalidInput(f"{where}.loss_fn_input_spans", f"cover {covered} positions; they must tile the datum's "
+                                                           f"{n} target positions exactly")
+    return out
+
+
+def _behaviour_logprobs(where: str, datum: Any, target: np.ndarray, inputs: dict[str, np.ndarray],
+                        lookup: Lookup, bound: int) -> tuple[list[float], list[float]]:
+    """stable_reinforce: (q, sampled) of one datum: q_t = the recorded sampler log-prob of the
+    sampled token its spans name at t (elsewhere the client's `logprobs`, or 0; unused there),
+    sampled_t = 1 where position t has sampled provenance, else 0 (its advantage must be 0)."""
+    n = target.size
+    q = inputs["logprobs"].astype(np.float64) if "logprobs" in inputs else np.zeros(n)
+    sampled = np.zeros(n, dtype=bool)
+    pos = 0
+    for j, (kind, sequence_id, offset, length) in enumerate(_spans(where, datum, n)):
+        if kind == "sampled_tokens" and length:
+            record = lookup(sequence_id)
+            if record is None:
+                raise InvalidInput(f"{where}.loss_fn_input_spans[{j}].sequence_id",
+                                   missing_record_message(sequence_id, bound))
+            if offset + length > record.size:
+                raise InvalidInput(f"{where}.loss_fn_input_spans[{j}]",
+                                   f"covers sampled tokens {offset}..{offset + length - 1} of sequence "
+                                   f"{sequence_id!r}, which has {record.size}")
+            want, got = record.tokens[offset:offset + length], target[pos:pos + length]
+            bad = np.flatnonzero(want != got)
+            if bad.size:
+                k = int(bad[0])
+                raise InvalidInput(f"{where}.loss_fn_inputs.target_tokens",
+                                   f"position {pos + k} is token {int(got[k])}, but loss_fn_input_spans[{j}] says it "
+                                   f"is sampled token {offset + k} of sequence {sequence_id!r}, which is "
+                                   f"{int(want[k])}: the spans do not describe this datum")
+            q[pos:pos + length] = record.logprobs[offset:offset + length]
+            sampled[pos:pos + length] = True
+        pos += length
+    loose = np.flatnonzero((inputs["advantages"] != 0) & ~sampled)
+    if loose.size:
+        p = int(loose[0])
+        how = ("this datum has no loss_fn_input_spans" if not datum.loss_fn_input_spans
+               else "its loss_fn_input_spans give it no sampled provenance")
+        raise InvalidInput(f"{where}.loss_fn_inputs.advantages",
+                           f"position {p} has advantage {float(inputs['advantages'][p])} but {how}; stable_reinforce "
+                           "trains sampled tokens only, with the behaviour log-probs the server recorded for them: "
+                           "name the sampled sequence in a SampledProvenanceSpan (Datum.with_provenance) or give the "
+                           "position advantage 0")
+    return q.tolist(), sampled.astype(np.float64).tolist()
+
+
+def _check_unshifted(where: str, loss_fn: str, inputs: dict[str, np.ndarray], off: np.ndarray,
+                     config: dict[str, Any], tokens: list[int], target: np.ndarray) -> None:
+    """In forward_backward, positions `off` (whose target is not the next input token) may carry
+    no loss: InvalidInput naming the datum field that gives them some."""
+    if loss_fn == "dro" and config.get("beta", 0.0) > 0:
+        carriers = [("target_tokens", np.ones(off.size, dtype=bool),
+                     "loss (dro's penalty ½·beta·(logp − logprobs)² applies at every position)")]
+    elif loss_fn == "cross_entropy":
+        weights = inputs.get("weights")
+        carriers = [("weights" if weights is not None else "target_tokens",
+                     weights[off] != 0 if weights is not None else np.ones(off.size, dtype=bool),
+                     "loss weight (absent weights are 1)" if weights is None else "loss weight")]
+    else:
+        carriers = [("advantages", inputs["advantages"][off] != 0, "advantage")]
+        if loss_fn == "gspo" and "sequence_ratio_mask" in inputs:
+            carriers.append(("sequence_ratio_mask", inputs["sequence_ratio_mask"][off] != 0,
+                             "place in the sequence ratio"))
+    for key, carries, what in carriers:
+        hit = np.flatnonzero(carries)
+        if hit.size:
+            p = int(off[hit[0]])
+            raise InvalidInput(
+                f"{where}.loss_fn_inputs.{key}",
+                f"position {p} carries {what}, but its target {int(target[p])} is not the next input token "
+                f"({tokens[p + 1]}): floe computes such a position's log-prob exactly (loss_fn_outputs) but "
+                "back-propagates only through next-token targets (target_tokens = model_input shifted by one); "
+                "give it no loss there",
+            )
+
+
+def forward_request_to_floe(request: Any, lookup: Lookup | None = None, stability_bound: int = 0,
+                            vocab_size: int | None = None) -> FloeCall:
     """A decoded `ForwardBackwardRequest` chunk as one floe call (InvalidInput naming the
-    datum field that does not fit)."""
+    datum field that does not fit). `lookup(sequence_id)` finds the caller's stability records
+    (stable_reinforce; `stability_bound` is the server's per-key bound, for messages);
+    `vocab_size`: targets scored off the batch (not the next input token) must be below it."""
     if not request.data:
         raise InvalidInput("data", "no datums")
-    loss, config = floe_loss(request.loss_fn, loss_config_of(request))
+    loss_fn = request.loss_fn
+    loss, config = floe_loss(loss_fn, loss_config_of(request))
+    forward_only = bool(request.forward_only)
     groups: list[Group] = []
+    retarget: list[tuple[list[int], list[int]]] = []
     signed = False
     for i, datum in enumerate(request.data):
         where = f"data[{i}]"
@@ -230,30 +388,41 @@ def forward_request_to_floe(request: Any) -> FloeCall:
         if n == 0:
             raise InvalidInput(f"{where}.model_input", "is empty")
         keys = set(datum.loss_fn_inputs.keys())
-        _check_input_keys(where, loss, keys)
+        _check_input_keys(where, loss_fn, keys)
         inputs = {key: _tensor(f"{where}.loss_fn_inputs.{key}", datum.loss_fn_inputs[key], key, n) for key in keys}
-        target = [int(t) for t in inputs["target_tokens"]]
-        if tokens[1:] != target[:-1]:
-            raise InvalidInput(
-                f"{where}.loss_fn_inputs.target_tokens",
-                "floe scores next-token targets: target_tokens must be model_input shifted by one "
-                "(model_input = seq[:-1], target_tokens = seq[1:])",
-            )
-        if loss == "cross_entropy":
+        target = inputs["target_tokens"]
+        off = np.flatnonzero(np.asarray(tokens[1:], dtype=np.int64) != target[:-1])
+        if vocab_size is not None and off.size:
+            bad = off[(target[off] < 0) | (target[off] >= vocab_size)]
+            if bad.size:
+                raise InvalidInput(f"{where}.loss_fn_inputs.target_tokens", f"position {int(bad[0])}: token id "
+                                   f"{int(target[bad[0]])} is outside the vocabulary [0, {vocab_size})")
+        # The batch scores the next input token everywhere (the last position: the last target).
+        natural = [*tokens[1:], int(target[-1])]
+        retarget.append((off.tolist(), target[off].tolist()))
+        if loss_fn == "cross_entropy":
             weights = [float(w) for w in inputs["weights"]] if "weights" in inputs else [1.0] * n
             signed = signed or any(w < 0 for w in weights)
-            sample = Sample(tokens=target, weights=weights)
+            sample = Sample(tokens=natural, weights=weights)
+        elif loss_fn == "stable_reinforce":
+            if lookup is None:
+                raise InvalidInput("loss_fn", "stable_reinforce needs the server's stability records")
+            q, sampled = _behaviour_logprobs(where, datum, target, inputs, lookup, stability_bound)
+            sample = Sample(tokens=natural, logprobs=q, advantage=[float(x) for x in inputs["advantages"]],
+                            weights=sampled)
         else:
-            sample = Sample(tokens=target, logprobs=[float(x) for x in inputs["logprobs"]],
+            sample = Sample(tokens=natural, logprobs=[float(x) for x in inputs["logprobs"]],
                             advantage=[float(x) for x in inputs["advantages"]],
-                            weights=_gspo_weights(where, inputs) if loss == "gspo" else None)
+                            weights=_gspo_weights(where, inputs) if loss_fn == "gspo" else None)
+        if off.size and not forward_only:
+            _check_unshifted(where, loss_fn, inputs, off, config, tokens, target)
         groups.append(Group(prompt=tokens[:1], samples=[sample]))
     if signed:  # −w·logp with signed w: dro at beta 0 (see the module docstring)
         for g in groups:
             s = g.samples[0]
             g.samples[0] = Sample(tokens=s.tokens, logprobs=[0.0] * len(s.tokens), advantage=s.weights)
         loss, config = "dro", {"aggregation": "sum", "beta": 0.0}
-    return FloeCall(Batch(groups), loss, config, [len(g.samples[0].tokens) for g in groups])
+    return FloeCall(Batch(groups), loss, config, [len(g.samples[0].tokens) for g in groups], retarget)
 
 
 def forward_output(logprobs: list[list[float]], metrics: dict[str, float]) -> bytes:
@@ -305,9 +474,6 @@ SAMPLE_KEYS = frozenset({
     "prompt_logprobs", "topk_prompt_logprobs", "topk_sample_logprobs", "target_prompt_logprobs",
     "prompt_alt_tokens_k", "prompt_logprobs_last_n", "record_stability_info", "type",
 })
-RECORD_STABILITY_REFUSED = ("stability information is what Tinker's stable_reinforce loss trains on, and floe does "
-                            "not serve that loss (its definition is not published); create the sampling client "
-                            "without record_stability_info and train with importance_sampling, ppo, cispo or gspo")
 
 
 def num_samples(value: Any) -> int:
@@ -410,6 +576,7 @@ class SampleCall:
     topk_sample: int = 0
     targets: TargetIds | None = None
     alt_k: int = 0  # prompt_alt_tokens_k
+    record_stability: bool = False  # record_stability_info
 
     @property
     def scores_prompt_distribution(self) -> bool:
@@ -479,13 +646,12 @@ def _target_ids(raw: Any, rows: int, vocab_size: int) -> TargetIds:
 
 def sample_request(body: dict[str, Any], n: int, vocab_size: int, max_context: int) -> SampleCall:
     """A checked asample request body (n = its checked num_samples). Every field the SDK sends is
-    served or refused naming it: unknown keys with a value set are refused, and
-    record_stability_info=true is (RECORD_STABILITY_REFUSED)."""
+    served or refused naming it: unknown keys with a value set are refused.
+    `record_stability_info = true` asks the service to record the samples (stability.py)."""
     for key in sorted(set(body) - SAMPLE_KEYS):
         if body[key] not in (None, False, 0, "", [], {}):
             raise InvalidInput(key, "unknown sampling field; floe serves " + ", ".join(sorted(SAMPLE_KEYS - {"type"})))
-    if _flag(body, "record_stability_info"):
-        raise InvalidInput("record_stability_info", RECORD_STABILITY_REFUSED)
+    record = _flag(body, "record_stability_info")
     prompt = prompt_tokens(body.get("prompt"))
     params = sampling_params(body.get("sampling_params") or {}, len(prompt), max_context)
     want_prompt = _flag(body, "prompt_logprobs")
@@ -503,7 +669,7 @@ def sample_request(body: dict[str, Any], n: int, vocab_size: int, max_context: i
     )
     raw_targets = body.get("target_prompt_logprobs")
     targets = None if raw_targets is None else _target_ids(raw_targets, len(prompt) - 1, vocab_size)
-    return SampleCall(prompt, n, params, want_prompt, last_n, topk_prompt, topk_sample, targets, alt_k)
+    return SampleCall(prompt, n, params, want_prompt, last_n, topk_prompt, topk_sample, targets, alt_k, record)
 
 
 def prompt_logprobs_row(values: list[float], last_n: int | None) -> list[float]:

@@ -73,6 +73,7 @@ def build_service(state: ServerState) -> TinkerService:
                                                   samplers_per_session=config.tinker_max_samplers_per_session))
     bounds = Bounds(samples_per_request=config.tinker_max_samples_per_request,
                     sampled_tokens_per_request=config.tinker_max_sampled_tokens_per_request,
+                    stability_tokens=config.tinker_max_stability_tokens,
                     session_timeout_s=config.tinker_session_timeout_s, gap_timeout_s=config.sequence_timeout_s,
                     min_ttl_s=config.tinker_min_ttl_s)
     return TinkerService(bases, names, tokenizer_ids, root, bounds, store,

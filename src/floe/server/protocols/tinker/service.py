@@ -54,6 +54,8 @@ from floe.server.principals import Principal
 from floe.server.protocols.tinker import convert, requests, schema
 from floe.server.protocols.tinker.futures import Futures, Reply, Sequencer
 from floe.server.protocols.tinker.residency import Residency
+from floe.server.protocols.tinker.stability import SETTING as STABILITY_SETTING
+from floe.server.protocols.tinker.stability import StabilityRecords
 from floe.server.protocols.tinker.store import Checkpoint, Layout, RunRow, SamplerRow, SessionRow, Store
 
 log = logging.getLogger("floe.server.tinker")
@@ -76,6 +78,7 @@ class Bounds:
     session_timeout_s: float = 600.0
     gap_timeout_s: float = 30.0
     min_ttl_s: int = 3600  # the shortest checkpoint ttl_seconds ([server] tinker_min_ttl_s)
+    stability_tokens: int = 1 << 23  # recorded tokens of stability info per key (stability.py)
 
 
 class TinkerService:
@@ -93,6 +96,7 @@ class TinkerService:
         self.layout = Layout(root)
         self.store = store
         self.futures = Futures()
+        self.stability = StabilityRecords(bounds.stability_tokens)
         self.sequencers: dict[str, Sequencer] = {}
         self._seq_lock = threading.Lock()
         self._storage = re.compile(re.escape(str(Path(root).resolve())) + r"[^\s'\"]*")
@@ -173,6 +177,7 @@ class TinkerService:
     def _end_session(self, session: SessionRow) -> None:
         """The session's runs and samplers leave memory and disk (checkpoints stay)."""
         self.store.finish_session(session.id)
+        self.stability.drop_session(session.id)
         for row in self.store.session_samplers(session.id):
             self.residency.drop_sampler(row)
         for run in self.store.session_runs(session.id):
@@ -321,14 +326,17 @@ class TinkerService:
         forward_only = request.forward_only
 
         def job() -> Reply:
-            call = convert.forward_request_to_floe(request)
+            call = convert.forward_request_to_floe(request, lambda sid: self.stability.get(who, sid),
+                                                   self.bounds.stability_tokens, self.bases[row.base].vocab_size)
             with self.residency.run(row) as manager:
+                # Targets that are not the next input token first: it checks them, and changes nothing.
+                exact = manager.target_logprobs(row.id, call.target_queries())
                 if forward_only:
-                    logprobs, loss = self._forward_loss(manager, row.id, call)
-                    metrics = {"loss:sum": loss}
+                    logprobs = call.patched([g[0] for g in manager.forward(row.id, call.batch).logprobs], exact)
+                    metrics = {"loss:sum": self._forward_loss(call, logprobs)}
                 else:
                     result = manager.forward_backward(row.id, call.batch, call.loss, call.loss_config)
-                    logprobs = [g[0] for g in result.logprobs]
+                    logprobs = call.patched([g[0] for g in result.logprobs], exact)
                     metrics = {"loss:sum": result.metrics["loss"]}
             return Reply(200, convert.forward_output(logprobs, metrics), PROTO)
 
@@ -336,12 +344,10 @@ class TinkerService:
         return {"request_id": rid, "model_id": row.id}
 
     @staticmethod
-    def _forward_loss(manager: RunManager, model_id: str, call: convert.FloeCall) -> tuple[list[list[float]], float]:
-        """Log-probs and the summed loss without gradients (floe's loss on the scored values)."""
+    def _forward_loss(call: convert.FloeCall, logprobs: list[list[float]]) -> float:
+        """The summed loss of the scored log-probs, without gradients (floe's loss)."""
         import torch  # noqa: PLC0415 - only forward-only requests need it here
 
-        result = manager.forward(model_id, call.batch)
-        logprobs = [g[0] for g in result.logprobs]
         spec = resolve_loss(call.loss, call.loss_config)
         samples = [g.samples[0] for g in call.batch.groups]
         flat = lambda values: torch.tensor([v for vs in values for v in vs], dtype=torch.float32)
@@ -356,7 +362,7 @@ class TinkerService:
             advantages=flat([s.advantage for s in samples]) if spec.needs_advantages else None,  # type: ignore[misc]
         )
         loss, _ = compute_loss(spec, inputs)
-        return logprobs, float(loss)
+        return float(loss)
 
     def optim_step(self, who: Principal, req: requests.OptimStep, digest: bytes) -> dict[str, Any]:
         row = self._run(who, req.model_id)
@@ -546,6 +552,10 @@ class TinkerService:
         if num * params.max_tokens > self.bounds.sampled_tokens_per_request:
             raise InvalidInput("num_samples", f"num_samples x max_tokens = {num * params.max_tokens} exceeds "
                                f"{self.bounds.sampled_tokens_per_request} ([server] tinker_max_sampled_tokens_per_request)")
+        if call.record_stability and num * params.max_tokens > self.bounds.stability_tokens:
+            raise InvalidInput("record_stability_info", f"num_samples x max_tokens = {num * params.max_tokens} exceeds "
+                               f"the {self.bounds.stability_tokens} tokens of stability info this server records per key "
+                               f"({STABILITY_SETTING}): sample fewer or shorter sequences per request")
         if call.topk_sample:
             params = replace(params, top_logprobs=call.topk_sample)
         if call.alt_k and params.seed is None:  # one seed for the samples and the alternative draws
@@ -555,6 +565,9 @@ class TinkerService:
         def job() -> Reply:
             with self.residency.sampler(row) as (held, info):
                 group = held.sample(info, call.prompt, call.num_samples, params)
+                if call.record_stability:  # before the reply: a client learns the ids from it
+                    for i, s in enumerate(group.samples):
+                        self.stability.put(who.id, row.session_id, f"{rid}:{i}", s.tokens, s.logprobs)
                 prompt_lp = None
                 if call.prompt_logprobs:
                     prompt_lp = convert.prompt_logprobs_row(held.prompt_logprobs(info, call.prompt), call.last_n)
