@@ -52,7 +52,7 @@ from floe.backend.state import (
     saved_shapes,
     write_policy_files,
 )
-from floe.backend.sync.base import WeightsSnapshot, fingerprints
+from floe.backend.weights import WeightsSnapshot, fingerprints
 from floe.compute.layout import MicroBatch
 from floe.compute.losses import LossSpec, TokenInputs, compute_loss, finalize_metrics
 from floe.config import FLOAT16_REFUSED, ComputeConfig, OptimizerConfig

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from floe.backend.state import ZoneState
-from floe.backend.sync.base import Fingerprint
+from floe.backend.weights import Fingerprint
 from floe.errors import InvalidInput, StateError
 from floe.sampler.engine import SamplerEngine, seeds_match_prompts
 from floe.sampler.noise import derive

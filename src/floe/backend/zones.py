@@ -28,7 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from floe.backend.state import ZoneState
-from floe.backend.sync.base import Fingerprint, WeightsSnapshot
+from floe.backend.weights import Fingerprint, WeightsSnapshot
 from floe.compute.losses import LossSpec
 from floe.types import Batch, ForwardBackwardResult, ForwardResult, OptimStepResult, SampleResult, SamplingParams
 

@@ -10,7 +10,8 @@ method refuses non-finite weights (`check_publishable`) before anything moves; a
 raises `StateError` and the version does not move.
 
 A fingerprint (`floe.sampler.engine.fingerprint`, part of the engine contract) is the float64
-sum and sum of squares of one tensor.
+sum and sum of squares of one tensor. `WeightsSnapshot` and `Fingerprint` live in
+`backend.weights`, below both this module and the zone protocols (re-exported here).
 """
 
 from __future__ import annotations
@@ -19,33 +20,16 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-import torch
-
+from floe.backend.weights import Fingerprint, WeightsSnapshot, fingerprint, fingerprints
+from floe.backend.zones import PolicyWorker, SamplerWorker
 from floe.errors import StateError
-from floe.sampler.engine import Fingerprint, fingerprint, fingerprints
 
 __all__ = [
     "Fingerprint", "SyncReport", "WeightSync", "WeightsSnapshot", "check_publishable", "fingerprint", "fingerprints",
     "verify",
 ]
 
-if TYPE_CHECKING:
-    from floe.backend.zones import PolicyWorker, SamplerWorker
-
-@dataclass(frozen=True)
-class WeightsSnapshot:
-    """The policy's weights as published for a sync: plain tensors by state-dict name, their
-    fingerprints, and the optimizer step they come from."""
-
-    tensors: dict[str, torch.Tensor]
-    fingerprints: dict[str, Fingerprint]
-    step: int
-
-    @property
-    def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
 def check_publishable(snapshot: WeightsSnapshot) -> None:

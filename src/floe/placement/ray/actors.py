@@ -161,7 +161,7 @@ class PolicyRankHost(_GroupMember):
         tensors) into Ray's object store and returns (object refs, fingerprints, bytes)."""
         import ray  # noqa: PLC0415
 
-        from floe.backend.sync.base import fingerprints  # noqa: PLC0415
+        from floe.backend.weights import fingerprints  # noqa: PLC0415
 
         refs, prints, size = [], {}, 0
         for bucket in self.zone.full_tensor_buckets(bucket_bytes):

@@ -24,7 +24,7 @@ import torch
 
 from floe.backend.data_parallel import merge_forward, merge_forward_backward, split_batch
 from floe.backend.sampler import SamplerZone, merge_results, split_prompts
-from floe.backend.sync.base import Fingerprint, WeightsSnapshot
+from floe.backend.weights import Fingerprint, WeightsSnapshot
 from floe.compute.losses import LossSpec
 from floe.errors import FloeError, StateError, WorkerFailed
 from floe.placement.ray.calls import Call, gather, one
