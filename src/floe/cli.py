@@ -227,10 +227,11 @@ def cmd_eval(argv: list[str]) -> int:
 
 
 def local_states(state_dir: Path) -> list[str]:
-    """Names of the complete states saved under `state_dir` (those with a state.json)."""
-    if not state_dir.is_dir():
-        return []
-    return sorted(p.parent.name for p in state_dir.glob("*/state.json") if not p.parent.name.startswith("."))
+    """Names of the states saved under `state_dir`: `floe.backend.state.list_states`, the one
+    listing (interrupted overwrites recovered first)."""
+    from floe.backend.state import list_states  # noqa: PLC0415 - torch, only for a local run's states
+
+    return list_states(state_dir)
 
 
 def pick_checkpoint(name: str, saved: list[str], run_dir: Path) -> str:

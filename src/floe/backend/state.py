@@ -15,11 +15,25 @@ executes code on load). Format 2 (written now):
 Format 1 (still read): the same without `policy_layout` (= "full"), the policy's RNG in
 rng.safetensors ("torch_cpu") next to the sampler's.
 
+state.json also lists every other file of the state with its size in bytes (`files`,
+relative paths), written last, so a file that is missing, cut short or grown is found before
+anything loads (`check_intact`; states without the list get the header checks only).
+
 The zones that keep an in-memory state (the sampler) give it as a `ZoneState` (tensors per
 file, JSON keys); the policy writes its files into the temp directory and returns its JSON
 keys, so a sharded policy writes its own shards. The directory is written through
 `floe.atomic.atomic_directory` (a crash leaves the old state or the new one, never a mix);
 every zone checks its part before any zone applies it, so a bad state changes nothing.
+
+Finding states: `list_states(parent)` is the one listing every path that looks for states
+uses (the Backend's list_states, `floe eval --checkpoint`, `floe serve --resume-from` /
+`--resume-latest`): it first finishes swaps a crash interrupted and removes what killed
+writers left (`floe.atomic.recover_all`). `newest_intact_state` is what `--resume-latest`
+resumes: the newest state that `check_intact` accepts, with the damaged ones it skipped.
+
+A damaged state (state.json unreadable, a file missing or of the wrong size, a safetensors
+file whose header does not parse) is a StateError naming the state, the file and what is
+wrong (`check_intact`, which `read_state` runs before any zone reads a byte).
 """
 
 from __future__ import annotations
@@ -38,13 +52,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from floe.atomic import atomic_directory, recover, recover_all
+from floe.atomic import atomic_directory, owner_tag, recover, recover_all
 from floe.errors import InvalidInput, StateError
 
 __all__ = [
-    "FORMAT_VERSION", "POLICY_RNG_FILE", "STATE_FILES", "ZoneState", "check_state_name", "delete_state_dir",
-    "list_state_dirs", "policy_layout", "read_meta", "read_policy_files", "read_state", "saved_shapes",
-    "write_policy_files", "write_state",
+    "FORMAT_VERSION", "POLICY_RNG_FILE", "STATE_FILES", "ZoneState", "check_intact", "check_state_name",
+    "delete_state_dir", "list_state_dirs", "list_states", "newest_intact_state", "policy_layout", "read_meta",
+    "read_policy_files", "read_state", "saved_shapes", "states_newest_first", "write_policy_files", "write_state",
 ]
 
 FORMAT_VERSION = 2
@@ -52,6 +66,7 @@ READABLE_FORMATS = (1, 2)
 STATE_FILES = ("policy.safetensors", "optimizer.safetensors", "rng.safetensors")
 POLICY_RNG_FILE = "policy_rng.safetensors"
 _META = "state.json"
+_FILES = "files"  # state.json key: relative path -> size in bytes of every other file of the state
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 
 
@@ -104,21 +119,78 @@ def write_state(
             if (tmp / file).exists():
                 raise ValueError(f"state parts collide with the policy's file {file}")
             save_file(tensors, str(tmp / file))
-        meta = {"format": FORMAT_VERSION, "model": model_name, **policy_meta, **merged.meta}
+        if _FILES in policy_meta or _FILES in merged.meta:
+            raise ValueError(f"state parts may not set the state.json key {_FILES!r} (the file list)")
+        listing = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        meta = {"format": FORMAT_VERSION, "model": model_name, **policy_meta, **merged.meta, _FILES: listing}
         (tmp / _META).write_text(json.dumps(meta, indent=2))
 
 
-def read_state(directory: Path, files: tuple[str, ...] = STATE_FILES) -> ZoneState:
-    """state.json and the tensors of `files` (those present) of a state directory; StateError
-    when there is no state or its format is not readable. Zones check their own part against
-    the live model before anything is applied; the policy reads its own files
-    (`read_policy_files`, `state_sharded`)."""
-    recover(directory)
+def _damaged(directory: Path, what: str, file: str, problem: str) -> StateError:
+    name = directory.name
+    return StateError(f"{what}: the state {name!r} at {directory} is damaged: {file}: {problem}; delete it "
+                      f"(delete_state({name!r})) or load another state")
+
+
+def _read_meta_checked(directory: Path, what: str) -> dict[str, Any]:
+    """state.json as a dict; StateError when there is no state or state.json is damaged."""
     if not (directory / _META).is_file():
-        raise StateError(f"load_state: no saved state at {directory}")
-    meta = json.loads((directory / _META).read_text())
+        raise StateError(f"{what}: no saved state at {directory}")
+    try:
+        meta = json.loads((directory / _META).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _damaged(directory, what, _META, f"not readable JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise _damaged(directory, what, _META, "not a JSON object")
+    return meta
+
+
+def check_intact(directory: Path, what: str = "load_state") -> dict[str, Any]:
+    """The state's state.json after checking the state is whole: state.json parses, its format
+    is readable, every file it lists is there with its size, the files the policy layout and
+    the sampler need are there, and every safetensors file's header parses and covers the file
+    exactly. Headers only: nothing is loaded. StateError naming the state, the file and the
+    problem otherwise (`what` names the operation in the message)."""
+    recover(directory)
+    meta = _read_meta_checked(directory, what)
     if meta.get("format") not in READABLE_FORMATS:
-        raise StateError(f"load_state: state format {meta.get('format')} is not one of {list(READABLE_FORMATS)}")
+        raise StateError(f"{what}: the state {directory.name!r} has format {meta.get('format')!r}, not one of "
+                         f"{list(READABLE_FORMATS)} (a newer floe wrote it, or it is not a floe state)")
+    listed = meta.get(_FILES)
+    if listed is not None:
+        if not isinstance(listed, dict):
+            raise _damaged(directory, what, _META, f"its {_FILES!r} entry is not a table of files")
+        for rel, size in sorted(listed.items()):
+            path = directory / rel
+            if not path.is_file():
+                raise _damaged(directory, what, rel, "missing")
+            actual = path.stat().st_size
+            if actual != size:
+                raise _damaged(directory, what, rel, f"{actual} bytes, {size} when it was saved (cut short or changed)")
+    layout = meta.get("policy_layout", "full")
+    needed = ["rng.safetensors"] + (["policy.safetensors", "optimizer.safetensors"] if layout == "full" else [])
+    for file in needed:
+        if not (directory / file).is_file():
+            raise _damaged(directory, what, file, "missing")
+    if layout == "sharded" and not any((directory / "policy").glob("*.safetensors")):
+        raise _damaged(directory, what, "policy/", "no policy shards")
+    for path in sorted(directory.rglob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                    f.get_slice(key).get_shape()
+        except Exception as e:  # noqa: BLE001 - SafetensorError and OSError: the file is damaged
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise _damaged(directory, what, path.relative_to(directory).as_posix(), first) from None
+    return meta
+
+
+def read_state(directory: Path, files: tuple[str, ...] = STATE_FILES) -> ZoneState:
+    """state.json and the tensors of `files` (those present) of a state directory, after
+    `check_intact`; StateError when there is no state, its format is not readable or it is
+    damaged. Zones check their own part against the live model before anything is applied;
+    the policy reads its own files (`read_policy_files`, `state_sharded`)."""
+    meta = check_intact(directory)
     return ZoneState({file: load_file(str(directory / file)) for file in files if (directory / file).is_file()}, meta)
 
 
@@ -167,24 +239,53 @@ def saved_shapes(directory: Path, file: str) -> dict[str, tuple[int, ...]]:
 
 
 def read_meta(directory: Path) -> dict[str, Any] | None:
-    """state.json of a saved state, or None when there is no state at `directory`."""
+    """state.json of a saved state, or None when there is no state at `directory`; StateError
+    when state.json is damaged."""
     recover(directory)
     if not (directory / _META).is_file():
         return None
-    return json.loads((directory / _META).read_text())
+    return _read_meta_checked(directory, "read_meta")
 
 
-def list_state_dirs(parent: Path) -> list[str]:
-    """Names of the saved states under `parent`, sorted (interrupted swaps recovered first)."""
+def list_states(parent: Path) -> list[str]:
+    """Names of the saved states under `parent`, sorted: the one listing every path that looks
+    for states uses. Interrupted swaps are finished first and leftovers of dead writers removed
+    (`floe.atomic.recover_all`), so a state whose overwrite a crash interrupted is listed."""
+    parent = Path(parent)
     if not parent.is_dir():
         return []
     recover_all(parent)
     return sorted(p.name for p in parent.iterdir() if (p / _META).is_file() and not p.name.startswith("."))
 
 
+list_state_dirs = list_states  # the earlier name
+
+
+def states_newest_first(parent: Path) -> list[str]:
+    """`list_states`, most recently saved first (by state.json's modification time)."""
+    parent = Path(parent)
+    names = list_states(parent)
+    return sorted(names, key=lambda n: ((parent / n / _META).stat().st_mtime_ns, n), reverse=True)
+
+
+def newest_intact_state(parent: Path) -> tuple[str | None, list[tuple[str, str]]]:
+    """(the newest state under `parent` that `check_intact` accepts, or None; the newer ones it
+    skipped as (name, why) pairs, newest first): what `floe serve --resume-latest` resumes."""
+    skipped: list[tuple[str, str]] = []
+    for name in states_newest_first(parent):
+        try:
+            check_intact(Path(parent) / name, "resume")
+        except StateError as e:
+            skipped.append((name, str(e)))
+            continue
+        return name, skipped
+    return None, skipped
+
+
 def delete_state_dir(directory: Path) -> None:
     """Remove a state: renamed aside first (it leaves the listing at once and a crash cannot
-    leave a half-deleted state under its name), then removed."""
-    aside = directory.parent / f".{directory.name}.deleted-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    leave a half-deleted state under its name), then removed (a crash midway leaves a
+    `.deleted-` sibling that the next listing removes, `floe.atomic`)."""
+    aside = directory.parent / f".{directory.name}.deleted-{owner_tag()}-{uuid.uuid4().hex[:8]}"
     os.replace(directory, aside)
     shutil.rmtree(aside, ignore_errors=True)
