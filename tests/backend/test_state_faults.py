@@ -99,11 +99,13 @@ def test_a_live_writers_temp_directory_is_not_deleted(make_client, tmp_path):
     _two_states(client, states)
     go = tmp_path / "go"
     writer = _writer(states / "b", states / "a", 0, go)
-    assert writer.stdout is not None and writer.stdout.readline().strip() == "inside"  # its temp dir is written
-    client.save_state("b")  # meanwhile, in this process
-    assert list_states(states) == ["a", "b"]
-    assert any(p.name.startswith(".b.tmp-") for p in states.iterdir())  # the live writer's, kept
-    go.touch()
+    try:
+        assert writer.stdout is not None and writer.stdout.readline().strip() == "inside"  # its temp dir is written
+        client.save_state("b")  # meanwhile, in this process
+        assert list_states(states) == ["a", "b"]
+        assert any(p.name.startswith(".b.tmp-") for p in states.iterdir())  # the live writer's, kept
+    finally:
+        go.touch()  # the writer finishes (or, after a failure above, does not wait forever)
     out, _ = writer.communicate(timeout=60)
     assert writer.returncode == 0 and "done" in out
     assert (states / "b" / "writer.txt").read_text() == str(writer.pid)  # its swap came last
