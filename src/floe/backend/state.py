@@ -15,6 +15,15 @@ executes code on load). Format 2 (written now):
 Format 1 (still read): the same without `policy_layout` (= "full"), the policy's RNG in
 rng.safetensors ("torch_cpu") next to the sampler's.
 
+Tied weights (a model whose LM head is its input embedding: Qwen3 0.6B-4B, Llama 3.2 1B/3B,
+Gemma): in either layout the shared tensor is saved once, under its first state-dict name, and
+state.json's `tied_weights` maps every other name of it to that one ({"lm_head.weight":
+"model.embed_tokens.weight"}); a load gives the other names the same tensor (`with_tied`), and
+the model's own tie is untouched (one parameter, both names). safetensors refuses to store
+one tensor twice, so this is the only way a sharded (DCP) state of such a model can be written.
+States of tied models saved before `tied_weights` existed hold the tensor under both names and
+load as they are.
+
 state.json also lists every other file of the state with its size in bytes (`files`,
 relative paths), written last, so a file that is missing, cut short or grown is found before
 anything loads (`check_intact`; states without the list get the header checks only).
@@ -38,12 +47,13 @@ wrong (`check_intact`, which `read_state` runs before any zone reads a byte).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,9 +66,10 @@ from floe.atomic import atomic_directory, owner_tag, recover, recover_all
 from floe.errors import InvalidInput, StateError
 
 __all__ = [
-    "FORMAT_VERSION", "POLICY_RNG_FILE", "STATE_FILES", "ZoneState", "check_intact", "check_state_name",
+    "FORMAT_VERSION", "POLICY_RNG_FILE", "STATE_FILES", "TIED", "ZoneState", "check_intact", "check_state_name",
     "delete_state_dir", "list_state_dirs", "list_states", "newest_intact_state", "policy_layout", "read_meta",
-    "read_policy_files", "read_state", "saved_shapes", "states_newest_first", "write_policy_files", "write_state",
+    "read_policy_files", "read_state", "saved_shapes", "states_newest_first", "tied_names", "with_tied",
+    "write_policy_files", "write_state",
 ]
 
 FORMAT_VERSION = 2
@@ -202,6 +213,39 @@ def policy_layout(meta: dict[str, Any]) -> str:
     return layout
 
 
+TIED = "tied_weights"  # state.json key: other state-dict name of a shared tensor -> the name it is saved under
+
+
+def tied_names(model: Any) -> dict[str, str]:
+    """{name: first name} for every parameter or buffer of `model` reachable under more than one
+    state-dict name (tied embeddings), each later name mapped to the first one (state-dict
+    order). Empty for a model without ties."""
+    first: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    named = itertools.chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))
+    for name, tensor in named:
+        if id(tensor) in first:
+            tied[name] = first[id(tensor)]
+        else:
+            first[id(tensor)] = name
+    return tied
+
+
+def with_tied(values: Mapping[str, Any], meta: Mapping[str, Any]) -> dict[str, Any]:
+    """`values` (tensors or shapes by state-dict name, as saved) plus every tied name of
+    `meta[TIED]` given its saved tensor's value; StateError when the record names a tensor the
+    state does not hold."""
+    out = dict(values)
+    tied = meta.get(TIED) or {}
+    if not isinstance(tied, dict):
+        raise StateError(f"load_state: state.json's {TIED!r} is not a table of names")
+    for alias, name in tied.items():
+        if name not in out:
+            raise StateError(f"load_state: state.json ties {alias!r} to {name!r}, which the state does not hold")
+        out[alias] = out[name]
+    return out
+
+
 def write_policy_files(directory: Path, part: ZoneState) -> None:
     """The "full" policy layout: `part` as produced by `PolicyZone.state_part()` (files
     policy.safetensors, optimizer.safetensors, rng.safetensors with "torch_cpu"), the RNG going
@@ -219,7 +263,7 @@ def read_policy_files(directory: Path, meta: dict[str, Any]) -> ZoneState:
         rng = load_file(str(rng_file)) if rng_file.is_file() else load_file(str(directory / "rng.safetensors"))
         return ZoneState(
             {
-                "policy.safetensors": load_file(str(directory / "policy.safetensors")),
+                "policy.safetensors": with_tied(load_file(str(directory / "policy.safetensors")), meta),
                 "optimizer.safetensors": load_file(str(directory / "optimizer.safetensors")),
                 "rng.safetensors": {k: v for k, v in rng.items() if k == "torch_cpu"},
             },
