@@ -220,14 +220,23 @@ def tied_names(model: Any) -> dict[str, str]:
     """{name: first name} for every parameter or buffer of `model` reachable under more than one
     state-dict name (tied embeddings), each later name mapped to the first one (state-dict
     order). Empty for a model without ties."""
-    first: dict[int, str] = {}
+    first: dict[Any, str] = {}
     tied: dict[str, str] = {}
-    named = itertools.chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))
+    if hasattr(model, "named_parameters"):  # a module: one parameter object under several names
+        named: Any = itertools.chain(model.named_parameters(remove_duplicate=False),
+                                     model.named_buffers(remove_duplicate=False))
+        key: Callable[[torch.Tensor], Any] = id
+    else:  # an object with only state_dict (a LoRA adapter view): tensors sharing their storage
+        named = model.state_dict().items()
+
+        def key(t: torch.Tensor) -> Any:
+            return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
     for name, tensor in named:
-        if id(tensor) in first:
-            tied[name] = first[id(tensor)]
+        k = key(tensor)
+        if k in first:
+            tied[name] = first[k]
         else:
-            first[id(tensor)] = name
+            first[k] = name
     return tied
 
 
