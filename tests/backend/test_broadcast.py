@@ -108,6 +108,7 @@ def _worker(rank: int, world: int, port: int, model_path: str, out_dir: str) -> 
             except Exception as e:  # noqa: BLE001 - recorded for the test
                 out[case] = {"error": f"{type(e).__name__}: {e}", "complete": zone.weights_complete}
         out["repair"] = {"fingerprints": _fps(receive_into(zone, group, 0, "cpu")), "complete": zone.weights_complete}
+        zone.set_version(1)  # what the Backend does once it verified the repair's fingerprints
         params = {"max_tokens": 4, "seed": 1}
         import floe
 

@@ -210,7 +210,11 @@ class Backend:
         """Policy weights → sampler, verified by fingerprints; the sampler's version becomes
         `version` (a caller's tag, > the current version) or, when None, the current one + 1.
         Waits for running samples. StateError (nothing changed) for non-finite weights;
-        InvalidInput("version") (nothing changed) for a tag that is not a larger int."""
+        InvalidInput("version") (nothing changed) for a tag that is not a larger int. Any other
+        failure raises StateError with the version unchanged, and a sampler that had already
+        taken weights refuses to sample until a sync succeeds (`backend.sampler`). A sampler
+        engine of another dtype than the policy gets the weights cast to its dtypes, verified
+        as cast (`sync.cast_for`)."""
         _check_version_type(version)
         self._check_version_tag(version)  # before the mode switch; again under the lock
         with self._op("sync"), self._policy_lock, self._sampler_lock.exclusive():
