@@ -6,6 +6,8 @@ that raises fails the call with its traceback; ranks still running at the deadli
 and the call fails saying how long they ran and how loaded the machine was, instead of hanging
 until pytest's own timeout hides which step was slow.
 
+`join_all(processes)` is the same bound for tests that start their own processes.
+
 `RANK_TIMEOUT_S` is the bound the spawned-rank tests use: generous, so a loaded shared machine
 (load average about 10 on 2 cores runs these processes about 5x slower) still finishes, and
 scaled by $FLOE_TEST_SLOWDOWN for slower machines. `collective_timeout()` is the timeout the
@@ -48,3 +50,12 @@ def run_ranks(fn: Callable[..., Any], world: int, args: tuple[Any, ...], timeout
                 process.kill()
                 process.join(10)
     return time.monotonic() - began
+
+
+def join_all(processes: list[Any], timeout_s: float = RANK_TIMEOUT_S) -> None:
+    """Wait for started processes (multiprocessing.Process) within one deadline of `timeout_s`
+    for all of them; the ones still alive then are killed (the caller asserts on exit codes
+    and on `is_alive`)."""
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
