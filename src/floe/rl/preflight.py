@@ -43,7 +43,8 @@ def check_recipe(recipe: Recipe, *, model: bool = True, where: str = "recipe") -
         engine = recipe.backend.get("sampler", {}).get("engine", {}).get("name", "torch")
         if engine == "vllm":
             require_extra("vllm", "vllm", f"{where}.backend.sampler.engine.name")
-        from floe.models.loading import check_device, check_model_source  # noqa: PLC0415 - torch loads only here
+        from floe.devices import check_device  # noqa: PLC0415 - torch loads only here
+        from floe.models.loading import check_model_source  # noqa: PLC0415
 
         check_device(recipe.backend.get("device", "cpu"), f"{where}.backend.device", "--backend.device cpu")
         if recipe.model.path is not None:
