@@ -3,7 +3,7 @@
 `check_device` needs torch alone (no transformers, no model stack), so `floe train | sft | eval`
 run it right after the recipe validates, before importing the training loop: a wrong
 `--backend.device` is one line in about the time torch takes to import. The Backend runs it
-again at start-up (`floe.models.loading` re-exports it).
+again at start-up.
 """
 
 from __future__ import annotations

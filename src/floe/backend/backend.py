@@ -47,9 +47,10 @@ from floe.backend.sync import WeightSync, verify
 from floe.backend.validation import check_temperature, resolve_temperature, validate_batch, validate_prompts
 from floe.compute.losses import loss_capabilities, resolve_loss
 from floe.config import BackendConfig
+from floe.devices import check_device
 from floe.errors import FloeError, InvalidInput, StateError, WorkerFailed
 from floe.models import load_tokenizer
-from floe.models.loading import check_device, check_model_source
+from floe.models.loading import check_model_source
 from floe.placement import build_zones
 from floe.types import (
     Batch,

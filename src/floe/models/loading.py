@@ -6,8 +6,8 @@ transformers itself would choose), decided from the model class's `_supports_*` 
 any weight is read; an explicit choice the architecture or this machine cannot run is an
 `InvalidInput` that names the ones it can.
 
-It also owns the checks that run before anything loads (`check_model_source`; `check_device` lives
-in `floe.devices`, which needs torch alone, and is re-exported here),
+It also owns the checks that run before anything loads (`check_model_source`; the device check,
+which needs torch alone, is `floe.devices.check_device`),
 shared by the Backend's start-up and the CLI's preflight (`floe.rl.preflight`), so a wrong
 device or model path is one InvalidInput line naming the field and the fix.
 """
@@ -24,7 +24,6 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from floe.devices import check_device as check_device  # re-exported: the Backend's start-up check
 from floe.errors import InvalidInput
 
 transformers.utils.logging.disable_progress_bar()  # floe shows its own progress

@@ -10,8 +10,9 @@ instead of a traceback after a warm start:
 * ``backend.device``: a CUDA (or MPS) device this torch build cannot use;
 * ``model.path``: a missing directory, a directory that is not a Hugging Face model, or a hub
   id that is neither in the local cache nor reachable (HF_HUB_OFFLINE set, or the hub does not
-  answer within `HUB_TIMEOUT_S`) -- `check_model_source`; this and `check_device` live in
-  `floe.models.loading`, shared with the Backend's start-up checks;
+  answer within `HUB_TIMEOUT_S`) -- `check_model_source` (`floe.models.loading`); it and
+  `floe.devices.check_device` are shared with the Backend's start-up checks (the CLI runs the
+  device check already right after the recipe, before importing the model stack);
 * optional extras the recipe needs (wandb, tensorboard) -- `require_extra`;
 * data files with too few rows for ``eval.size``, ``train.groups_per_step`` or
   ``warm_start.batch_size``.
