@@ -18,10 +18,13 @@ nothing else differs. Hence:
   can move differently by a good part of lr. Such elements are few: compared per tensor
   relative to the update itself, ‖Δw_ranks − Δw_local‖ ≤ UPDATE_REL · ‖Δw_local‖ (Δw: the
   change from the initial weights), and elementwise within ELEMENT_LR · lr · k, 1% of the most a
-  weight moves in k steps. Measured on this tiny model (3 clipped steps, lr 1e-2): one process
-  against itself with another micro-batch plan (another summation order, both right) differs by
-  2.2e-5 at most elementwise (7e-4 · lr · k) and 1.9e-5 relative per tensor; the earlier flat
-  1e-5 absolute bound sat inside that noise (AMD EPYC measured 1.05e-5).
+  weight moves in k steps. Measured on this tiny model (3 clipped steps, lr 1e-2) on a 2-core
+  AMD EPYC (Zen 4, torch's AVX-512 kernels): one process against itself with another micro-batch
+  plan (another summation order, both right) differs by 2.2e-5 at most elementwise
+  (7e-4 · lr · k) and 1.9e-5 relative per tensor, the ranks against one process by 4.4e-6 and
+  6.6e-6; the earlier flat 1e-5 absolute bound sat inside that noise (the issue's EPYC measured
+  1.05e-5 on the ranks). First-order terms differed by 7.7e-7 relative, the first summed
+  gradient by 2.7e-7.
 A wrong gradient is still caught: a planted averaging bug (the FSDP divide factor set to the
 world size: every gradient halved) fails the first-order checks by a factor of 2, although
 the weights after a clipped Adam step come out the same (both are invariant to a gradient
@@ -352,7 +355,7 @@ def test_two_right_summation_orders_pass_the_bounds_the_old_flat_one_did_not(run
     """The error model on this machine, without ranks: one process with two micro-batch plans
     (the same terms summed in another order; both results right). Their weights after the 3
     clipped steps differ by more than the flat 1e-5 the test used to allow (2.2e-5 on the 2-core
-    Xeon this was measured on; the AMD EPYC run exceeded it on the ranks), and stay well inside
+    AMD EPYC this was measured on; the issue's EPYC run exceeded it on the ranks), and stay well inside
     the update-relative bounds. (How far they differ depends on the CPU's kernels: not asserted.)"""
     batches = _batches()
     finals = []
