@@ -10,7 +10,6 @@ import torch
 import floe
 from floe.backend.sync import SyncReport
 from floe.backend.weights import fingerprints
-from floe.placement.ray.sync import RayBroadcastSync
 from tests.ray.conftest import RAY_PLACEMENT
 from tests.ray.steps import Record, grpo_step
 
@@ -37,17 +36,18 @@ def test_bf16_replicas_under_an_fp32_policy(ray_cluster, make_backend, sync) -> 
     assert backend.sample([[10, 11]], 2, PARAMS).weights_version == 2
 
 
-class DroppingBroadcast(RayBroadcastSync):
-    """The broadcast whose report loses a tensor after the replicas took the weights."""
-
-    def sync(self, policy, sampler) -> SyncReport:
-        report = super().sync(policy, sampler)
-        received = dict(report.received)
-        received.pop(next(iter(received)))
-        return SyncReport(report.published, received, report.bytes)
-
-
 def test_after_a_failed_sync_the_replicas_refuse_to_sample(ray_cluster, make_backend) -> None:
+    from floe.placement.ray.sync import RayBroadcastSync  # noqa: PLC0415 - Ray only inside the Ray suite's tests
+
+    class DroppingBroadcast(RayBroadcastSync):
+        """The broadcast whose report loses a tensor after the replicas took the weights."""
+
+        def sync(self, policy, sampler) -> SyncReport:
+            report = super().sync(policy, sampler)
+            received = dict(report.received)
+            received.pop(next(iter(received)))
+            return SyncReport(report.published, received, report.bytes)
+
     backend = make_backend(placement=SMALL, sampler=BF16_ENGINE)
     grpo_step(backend, 0, Record())
     real = backend.weight_sync
