@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import floe
+from floe.atomic import owner_tag
 from floe.models import make_tiny
 from tests.conftest import assert_same_state, backend_of, state_snapshot
 
@@ -90,9 +93,13 @@ def test_a_save_interrupted_between_its_two_renames_is_recovered(make_client, tm
     client = make_client()
     client.save_state("ckpt")
     states = tmp_path / "states"
-    # A crash after moving the old version aside and before moving the new one in:
-    os.replace(states / "ckpt", states / f".ckpt.old-{os.getpid()}")
-    (states / ".ckpt.tmp-abc").mkdir()
+    # A crash after moving the old version aside and before moving the new one in (the writer,
+    # a process that has exited, left its temp directory too):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    tag = f"{gone.pid}@{owner_tag().split('@')[1]}"
+    os.replace(states / "ckpt", states / f".ckpt.old-{tag}")
+    (states / f".ckpt.tmp-{tag}-abc123").mkdir()
     assert client.list_states() == ["ckpt"]
     assert client.load_state("ckpt").step == 0
     client.save_state("ckpt")

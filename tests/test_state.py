@@ -125,7 +125,7 @@ def test_format_1_states_still_load(make_client, tmp_path):
     save_file(rng, str(d / "rng.safetensors"))
     (d / "policy_rng.safetensors").unlink()
     meta = json.loads((d / "state.json").read_text())
-    del meta["policy_layout"]
+    del meta["policy_layout"], meta["files"]  # format 1 had neither
     (d / "state.json").write_text(json.dumps({**meta, "format": 1}))
     assert sorted(p.name for p in d.iterdir()) == [
         "optimizer.safetensors", "policy.safetensors", "rng.safetensors", "state.json",

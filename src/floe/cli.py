@@ -87,13 +87,27 @@ def _undated(overrides: dict[str, Any], args: list[str]) -> dict[str, Any]:
 
 
 def _flags_then_recipe(parser: ArgumentParser, argv: list[str]) -> tuple[Any, argparse.Namespace] | None:
-    """Parse the flags first (fast), then the recipe; None after printing --help."""
+    """Parse the flags first (fast), then the recipe, then check its device (torch alone, before
+    the model stack is imported: `check_device_first`); None after printing --help."""
     if any(a in ("-h", "--help") for a in argv):
         parser.print_help()
         return None
     files, overrides, rest = split_recipe_args(argv)
     opts = parser.parse_args(rest)
-    return _recipe(files, overrides, argv), opts
+    recipe = _recipe(files, overrides, argv)
+    check_device_first(recipe)
+    return recipe, opts
+
+
+def check_device_first(recipe: Any) -> None:
+    """InvalidInput("recipe.backend.device") for a device this torch cannot use, checked before
+    anything else is imported (the training loop imports transformers and the model stack,
+    seconds more); the preflight (`floe.rl.preflight`) checks it again. A remote backend's
+    device is its server's: not checked here."""
+    if recipe.url is None:
+        from floe.devices import check_device  # noqa: PLC0415 - torch alone
+
+        check_device(recipe.backend.get("device", "cpu"), "recipe.backend.device", "--backend.device cpu")
 
 
 def cmd_train(argv: list[str]) -> int:
@@ -227,10 +241,11 @@ def cmd_eval(argv: list[str]) -> int:
 
 
 def local_states(state_dir: Path) -> list[str]:
-    """Names of the complete states saved under `state_dir` (those with a state.json)."""
-    if not state_dir.is_dir():
-        return []
-    return sorted(p.parent.name for p in state_dir.glob("*/state.json") if not p.parent.name.startswith("."))
+    """Names of the states saved under `state_dir`: `floe.backend.state.list_states`, the one
+    listing (interrupted overwrites recovered first)."""
+    from floe.backend.state import list_states  # noqa: PLC0415 - torch, only for a local run's states
+
+    return list_states(state_dir)
 
 
 def pick_checkpoint(name: str, saved: list[str], run_dir: Path) -> str:

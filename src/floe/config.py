@@ -88,6 +88,9 @@ class TorchEngineConfig(StrictModel):
 
     name: Literal["torch"] = "torch"
     max_batch_sequences: int = Field(256, gt=0, description="rows decoded together")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="weights and compute dtype of the engine's model copy; auto = the policy model's dtype"
+    )
 
 
 class VllmEngineConfig(StrictModel):

@@ -174,7 +174,8 @@ class SyncResult:
 @dataclass
 class StateResult:
     """A saved (or loaded, or deleted) state: its `name`, its directory `path` on the backend's
-    machine, the policy `step` and the sampler weights `version` it holds."""
+    machine, the policy `step` and the sampler weights `version` it holds (-1 for a deleted
+    state whose state.json was damaged)."""
 
     name: str
     path: str

@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 import multiprocessing
 import socket
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from tests.spawn import collective_timeout, join_all
 
 SMALL_BUCKET = 20_000  # bytes: below the tiny model's largest tensor (64 x 128 fp32 = 32,768 bytes)
 
@@ -57,7 +58,7 @@ def _worker(rank: int, world: int, port: int, model_path: str, out_dir: str) -> 
     from floe.sampler import EngineSource, build_engine
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+                            timeout=collective_timeout())
     group = dist.group.WORLD
     out: dict[str, Any] = {}
     weights = _weights(model_path)
@@ -108,6 +109,7 @@ def _worker(rank: int, world: int, port: int, model_path: str, out_dir: str) -> 
             except Exception as e:  # noqa: BLE001 - recorded for the test
                 out[case] = {"error": f"{type(e).__name__}: {e}", "complete": zone.weights_complete}
         out["repair"] = {"fingerprints": _fps(receive_into(zone, group, 0, "cpu")), "complete": zone.weights_complete}
+        zone.set_version(1)  # what the Backend does once it verified the repair's fingerprints
         params = {"max_tokens": 4, "seed": 1}
         import floe
 
@@ -128,8 +130,7 @@ def test_broadcast_one_sender_two_receivers(tiny_model, tmp_path):
     procs = [ctx.Process(target=_worker, args=(r, 3, port, str(tiny_model), str(tmp_path))) for r in range(3)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(timeout=150)
+    join_all(procs)
     alive = [p for p in procs if p.is_alive()]
     for p in alive:
         p.kill()

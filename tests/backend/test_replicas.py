@@ -211,5 +211,9 @@ def test_a_streamed_receive_that_fails_midway_leaves_the_zone_incomplete(source)
         z.sample([[10]], 1, floe.SamplingParams(max_tokens=2, seed=0))
     with pytest.raises(StateError, match="begin_receive"):
         z.receive_bucket({names[0]: state[names[0]]})
-    z.receive(state)  # a full sync repairs it
-    assert z.weights_complete and len(z.sample([[10]], 1, floe.SamplingParams(max_tokens=2, seed=0)).groups) == 1
+    z.receive(state)  # a full sync repairs it: complete, and once verified (set_version) it samples again
+    assert z.weights_complete and not z.weights_match_version
+    with pytest.raises(StateError, match="not those of its version"):
+        z.sample([[10]], 1, floe.SamplingParams(max_tokens=2, seed=0))
+    z.set_version(1)
+    assert len(z.sample([[10]], 1, floe.SamplingParams(max_tokens=2, seed=0)).groups) == 1

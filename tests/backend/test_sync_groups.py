@@ -13,7 +13,6 @@ import json
 import multiprocessing
 import socket
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ import torch
 
 from floe.backend.sync.groups import standalone_group
 from floe.errors import InvalidInput
+from tests.spawn import collective_timeout, join_all
 
 
 def _free_port() -> int:
@@ -44,8 +44,8 @@ def _member(rank: int, own_port: int, group_port: int, out_dir: str) -> None:
 
     # The engine's own default group: a world of one (as vLLM's in-process engine makes).
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{own_port}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=60))
-    group = standalone_group("gloo", "127.0.0.1", group_port, rank, 3, 60)
+                            timeout=collective_timeout())
+    group = standalone_group("gloo", "127.0.0.1", group_port, rank, 3, collective_timeout().total_seconds())
     out: dict[str, Any] = {"rank": group.rank(), "size": group.size()}
     if rank == 0:
         prints, sent = send_weights(group, 0, bucketed(_weights().items(), 200))
@@ -67,8 +67,7 @@ def test_broadcast_over_a_standalone_group_beside_each_process_default_group(tmp
     procs = [ctx.Process(target=_member, args=(r, _free_port(), group_port, str(tmp_path))) for r in range(3)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(timeout=120)
+    join_all(procs)
     alive = [p for p in procs if p.is_alive()]
     for p in alive:
         p.kill()

@@ -98,7 +98,7 @@ def test_deciding_a_start_writes_nothing_until_the_backend_answers(recipe, tmp_p
         (["--backend.url", "127.0.0.1:7000"], "recipe.backend.url",
          "'127.0.0.1:7000' needs a scheme: http://127.0.0.1:7000 (the address of a floe serve)"),
         (["--backend.sampler.engine.nme=torch"], "recipe.backend.sampler.engine.nme",
-         "unknown key; allowed keys: max_batch_sequences, name"),
+         "unknown key; allowed keys: dtype, max_batch_sequences, name"),
         (["--backend.sampler.engine.name", "vllm", "--backend.sampler.engine.dtyp", "auto"],
          "recipe.backend.sampler.engine.dtyp", "unknown key; allowed keys: "),
         (["--backend.sampler.engine.name", "vllm", "--backend.sampler.engine.dtype", "float8"],

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from floe.devices import check_device
 from floe.errors import InvalidInput
-from floe.models.loading import check_device, check_model_source
+from floe.models.loading import check_model_source
 
 
 def test_a_model_directory_passes_and_anything_else_names_the_field(tiny_model, tmp_path, monkeypatch):

@@ -155,3 +155,22 @@ def test_old_checkpoints_are_pruned_through_the_client(recipe_file, tmp_path):
     assert sorted(client.list_states()) == ["other_run.step_000002", "pruned.step_000004", "pruned_notes"]
     assert not (tmp_path / "pruned" / "states").exists()
     client.close()
+
+
+def test_resume_skips_a_damaged_last_checkpoint_for_the_newest_intact_one(recipe_file, tmp_path, capsys):
+    """Issue 23 item 4 on `floe train --resume`: the last checkpoint (step 4) is cut short; the
+    run resumes from step 2, says so, and still reproduces the uninterrupted run."""
+    reference = train(load_recipe([recipe_file(steps=6, name="straight")])[0], progress=False)
+    path = recipe_file(steps=4, name="damaged")
+    train(load_recipe([path])[0], progress=False)
+    run = tmp_path / "damaged"
+    last = json.loads((run / "loop_state.json").read_text())
+    assert last["step"] == 4
+    weights = run / "states" / last["checkpoint"] / "policy.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])
+    assert main(["train", path, "--resume", "--no-progress", "--train.steps", "6"]) == 0
+    err = capsys.readouterr().err
+    assert f"the last checkpoint {last['checkpoint']!r} (step 4) could not be loaded" in err and "(step 2)" in err
+    assert "damaged" in err and "policy.safetensors" in err
+    assert [s for s, _ in _steps_and_rewards(run)] == [0, 1, 2, 3, 4, 5, 6]
+    assert _steps_and_rewards(run) == _steps_and_rewards(Path(reference.run_dir))

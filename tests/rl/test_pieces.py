@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -126,3 +128,25 @@ def test_truncate_on_resume_keeps_checkpointed_steps_and_drops_a_torn_line(tmp_p
     truncate_jsonl(path, 1)
     assert read_jsonl(path) == [{"step": 0}, {"step": 1, "r": 0.5}]
     assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]  # no temporary file left
+
+
+def test_the_warm_start_cache_key_holds_the_code_that_built_it(tmp_path, monkeypatch):
+    """Issue 23 item 6: a cache entry built by other code (another floe source, another torch)
+    is never reused, so an empty cache and a cached entry always mean the same model."""
+    import torch
+
+    from floe.rl import warmstart
+
+    monkeypatch.setenv("FLOE_CACHE", str(tmp_path / "cache"))
+    recipe = Recipe.model_validate({"model": {"tiny": {"hidden_size": 16, "intermediate_size": 32,
+                                                       "num_hidden_layers": 1, "num_attention_heads": 2,
+                                                       "num_key_value_heads": 1}},
+                                    "env": {"name": "reverse_text"}})
+    spec = warmstart.model_spec(recipe)
+    assert spec["built_by"] == {"floe_source": warmstart.source_digest(), "torch": torch.__version__}
+    other_code = {**spec, "built_by": {**spec["built_by"], "floe_source": "0" * 16}}
+    other_torch = {**spec, "built_by": {**spec["built_by"], "torch": "2.0.0"}}
+    assert len({warmstart.cache_entry(s) for s in (spec, other_code, other_torch)}) == 3
+    path = warmstart.prepare_model(recipe)
+    assert Path(path) == warmstart.cache_entry(spec)
+    assert json.loads((Path(path) / "floe_model_spec.json").read_text()) == spec

@@ -87,7 +87,8 @@ def test_weights_received_bucket_by_bucket(engine_client):
         with pytest.raises(floe.StateError, match="incomplete"):
             engine_client.sample([[10, 11]], n=1, params=floe.SamplingParams(max_tokens=2, seed=0))
     finally:
-        assert sampler.receive(snapshot.tensors) == snapshot.fingerprints  # back to the policy's weights
+        assert sampler.receive(snapshot.tensors) == snapshot.fingerprints  # back to the policy's weights,
+        sampler.set_version(sampler.version)  # verified (what the Backend does after such a check)
     assert len(engine_client.sample([[10, 11]], n=1, params=floe.SamplingParams(max_tokens=2, seed=0)).groups) == 1
 
 

@@ -108,3 +108,32 @@ def test_sampling_from_a_new_thread_with_other_torch_threads(vllm_client):
     finally:
         torch.set_num_threads(before)
     assert errors == [] and len(results[0].groups[0].samples) == 2
+
+
+def test_an_fp32_policy_syncs_into_a_bf16_vllm_engine(engine_model, tmp_path):
+    """Issue 23 item 2 (OpenRLHF #1348): fp32 policy, vLLM at bfloat16. Every sync casts the
+    published weights to bf16, so vLLM holds exactly the policy's weights rounded to bf16, the
+    fingerprints verify, and samples carry the new version (before: the first sync failed its
+    check after vLLM had taken the new weights, and it then served them as the old version)."""
+    from floe.backend.weights import fingerprints  # noqa: PLC0415
+
+    client = floe.connect(floe.BackendConfig(model=str(engine_model), state_dir=str(tmp_path), optimizer={"lr": 1e-2},
+                                             sampler={"engine": {**VLLM_ENGINE, "dtype": "bfloat16"}}))
+    try:
+        backend = backend_of(client)
+        assert set(backend.sampler.held_dtypes().values()) == {"bfloat16"}
+        assert backend.policy.describe()["dtype"] == "float32"
+        tok = client.tokenizer()
+        for version in (1, 2):
+            batch = [floe.Group(tok.encode("ab"), [floe.Sample(tok.encode("cde"))])]
+            client.forward_backward(batch, "cross_entropy")
+            client.optim_step()
+            result = client.sync_weights()
+            assert result.version == version
+            want = {k: v.to(torch.bfloat16) for k, v in backend.policy.model.state_dict().items()}
+            assert backend.sampler.engine.fingerprints() == fingerprints(want)
+            assert result.bytes == sum(t.numel() * t.element_size() for t in want.values())
+            out = client.sample([tok.encode("zz")], n=2, params=floe.SamplingParams(max_tokens=4, seed=3))
+            assert out.weights_version == version
+    finally:
+        client.close()

@@ -38,7 +38,7 @@ from floe.atomic import atomic_directory
 from floe.backend.locks import ModeLock, SharedLock
 from floe.backend.state import (
     delete_state_dir,
-    list_state_dirs,
+    list_states,
     read_meta,
     read_state,
     state_path,
@@ -48,9 +48,10 @@ from floe.backend.sync import WeightSync, verify
 from floe.backend.validation import check_temperature, resolve_temperature, validate_batch, validate_prompts
 from floe.compute.losses import loss_capabilities, resolve_loss
 from floe.config import BackendConfig
-from floe.errors import InvalidInput, StateError, WorkerFailed
+from floe.devices import check_device
+from floe.errors import FloeError, InvalidInput, StateError, WorkerFailed
 from floe.models import load_tokenizer
-from floe.models.loading import check_device, check_model_source
+from floe.models.loading import check_model_source
 from floe.placement import build_zones
 from floe.types import (
     Batch,
@@ -215,7 +216,11 @@ class Backend:
         """Policy weights → sampler, verified by fingerprints; the sampler's version becomes
         `version` (a caller's tag, > the current version) or, when None, the current one + 1.
         Waits for running samples. StateError (nothing changed) for non-finite weights;
-        InvalidInput("version") (nothing changed) for a tag that is not a larger int."""
+        InvalidInput("version") (nothing changed) for a tag that is not a larger int. Any other
+        failure raises StateError with the version unchanged, and a sampler that had already
+        taken weights refuses to sample until a sync succeeds (`backend.sampler`). A sampler
+        engine of another dtype than the policy gets the weights cast to its dtypes, verified
+        as cast (`sync.cast_for`)."""
         _check_version_type(version)
         self._check_version_tag(version)  # before the mode switch; again under the lock
         with self._op("sync"), self._policy_lock, self._sampler_lock.exclusive():
@@ -239,11 +244,21 @@ class Backend:
 
     def save_state(self, name: str) -> StateResult:
         """Save every zone's state as `<state_dir>/<name>` (replacing a state of that name).
-        StateError while gradients wait for optim_step."""
+        StateError while gradients wait for optim_step, and when the save fails (a directory
+        that cannot be written, a file the policy cannot store): an error of that save, which
+        writes nothing and leaves an earlier state of that name as it was."""
         path = state_path(self.state_dir, name)
+        name = path.name
         with self._op("train"), self._policy_lock, self._sampler_lock.shared():
-            # The policy writes its own files (a sharded policy: its ranks' shards) into the temp directory.
-            write_state(path, [self.sampler.save_state()], self.config.model, save_policy=self.policy.save_state)
+            try:
+                # The policy writes its own files (a sharded policy: its ranks' shards) into the temp directory.
+                write_state(path, [self.sampler.save_state()], self.config.model, save_policy=self.policy.save_state)
+            except FloeError:
+                raise
+            except Exception as e:  # noqa: BLE001 - OSError, safetensors' errors: this save failed, nothing else
+                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                raise StateError(f"save_state: saving {name!r} to {path} failed ({type(e).__name__}: {first[:300]}); "
+                                 "nothing was written and an earlier state of that name is unchanged") from None
             return StateResult(name, str(path), self.policy.step, self.sampler.version)
 
     def load_state(self, name: str) -> StateResult:
@@ -264,15 +279,20 @@ class Backend:
         """Remove a saved state; returns what it held. StateError when there is none of that name."""
         path = state_path(self.state_dir, name)
         with self._policy_lock:  # save_state and load_state hold it too
-            meta = read_meta(path)
+            try:
+                meta = read_meta(path)
+            except StateError:  # a damaged state.json: the state goes all the same
+                meta = {}
             if meta is None:
                 raise StateError(f"delete_state: no saved state named {name!r} in {self.state_dir}")
             delete_state_dir(path)
-            return StateResult(name, str(path), int(meta["step"]), int(meta["sampler_version"]))
+            step, version = meta.get("step"), meta.get("sampler_version")
+            return StateResult(name, str(path), step if type(step) is int else -1,
+                               version if type(version) is int else -1)
 
     def list_states(self) -> list[str]:
-        """Names of the saved states, sorted."""
-        return list_state_dirs(self.state_dir)
+        """Names of the saved states, sorted (`state.list_states`: interrupted swaps finished first)."""
+        return list_states(self.state_dir)
 
     def export_hf(self, path: str) -> str:
         """Write the policy as an ordinary HF model directory (weights + config + tokenizer).

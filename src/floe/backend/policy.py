@@ -46,13 +46,16 @@ from floe.backend import state_sharded
 from floe.backend.data_parallel import batch_scales
 from floe.backend.scoring import plan_batch, score_batch, score_microbatch, uses_prefix_dedup
 from floe.backend.state import (
+    TIED,
     ZoneState,
     policy_layout,
     read_policy_files,
     saved_shapes,
+    tied_names,
+    with_tied,
     write_policy_files,
 )
-from floe.backend.sync.base import WeightsSnapshot, fingerprints
+from floe.backend.weights import WeightsSnapshot, fingerprints
 from floe.compute.layout import MicroBatch
 from floe.compute.losses import LossSpec, TokenInputs, compute_loss, finalize_metrics
 from floe.config import FLOAT16_REFUSED, ComputeConfig, OptimizerConfig
@@ -383,7 +386,7 @@ class PolicyZone:
         else:
             saved = saved_shapes(directory, "policy.safetensors")
             has_rng = state_sharded.has_rng(directory)
-        check_saved_policy(saved, self._live_shapes(), meta, len(self.params), has_rng)
+        check_saved_policy(with_tied(saved, meta), self._live_shapes(), meta, len(self.params), has_rng)
 
     def load_state(self, directory: Path, meta: dict[str, Any]) -> None:
         """Apply a state `check_state` accepted (either layout; see `load_part`)."""
@@ -412,22 +415,27 @@ class PolicyZone:
                     opt_tensors[f"{idx}.{key}"] = value.detach().cpu().contiguous()
                 else:
                     scalars.setdefault(str(idx), {})[key] = value
-        # clone() un-ties shared tensors (tied embeddings) so safetensors can store them.
-        weights = {k: v.detach().cpu().clone().contiguous() for k, v in self.model.state_dict().items()}
+        # A tied tensor (embeddings = LM head) is saved once, under its first name (state.py).
+        tied = tied_names(self.model)
+        weights = {k: v.detach().cpu().clone().contiguous() for k, v in self.model.state_dict().items() if k not in tied}
         if self.masters is not None:
-            weights.update({k: m.detach().cpu().clone().contiguous() for k, m in self._master_state().items()})
+            weights.update({k: m.detach().cpu().clone().contiguous() for k, m in self._master_state().items()
+                            if k not in tied})
+        meta: dict[str, Any] = {"step": self.step, "param_groups": opt["param_groups"], "optimizer_scalars": scalars}
+        if tied:
+            meta[TIED] = tied
         return ZoneState(
             {
                 "policy.safetensors": weights,
                 "optimizer.safetensors": opt_tensors,
                 "rng.safetensors": {"torch_cpu": torch.get_rng_state()},
             },
-            {"step": self.step, "param_groups": opt["param_groups"], "optimizer_scalars": scalars},
+            meta,
         )
 
     def check_part(self, state: ZoneState) -> None:
         """StateError when the saved weights or optimizer do not fit this model; changes nothing."""
-        weights = state.tensors.get("policy.safetensors", {})
+        weights = with_tied(state.tensors.get("policy.safetensors", {}), state.meta)
         saved = {k: tuple(v.shape) for k, v in weights.items()}
         has_rng = "torch_cpu" in state.tensors.get("rng.safetensors", {})
         check_saved_policy(saved, self._live_shapes(), state.meta, len(self.params), has_rng)
@@ -446,7 +454,7 @@ class PolicyZone:
             opt_state.setdefault(int(idx), {})[name] = value
         for idx, values in state.meta["optimizer_scalars"].items():
             opt_state.setdefault(int(idx), {}).update(values)
-        weights = state.tensors["policy.safetensors"]
+        weights = with_tied(state.tensors["policy.safetensors"], state.meta)  # idempotent: read_policy_files did it
         with torch.no_grad():
             self.model.load_state_dict(weights, strict=True)
         if self.masters is not None:

@@ -65,7 +65,7 @@ from floe.backend.policy import (
     score_flat,
 )
 from floe.backend.scoring import plan_batch, uses_prefix_dedup
-from floe.backend.state import POLICY_RNG_FILE, policy_layout, read_policy_files, saved_shapes
+from floe.backend.state import POLICY_RNG_FILE, TIED, policy_layout, read_policy_files, saved_shapes, tied_names, with_tied
 from floe.compute.layout import GroupPart, MicroBatch
 from floe.compute.losses import LossSpec
 from floe.config import ComputeConfig, OptimizerConfig
@@ -139,6 +139,7 @@ class ShardedPolicyZone:
             unit.set_gradient_divide_factor(1.0)  # gradients are summed across ranks: global loss scales
             unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM), no division
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.tied = tied_names(model)  # other name -> first name of each tied tensor (still one parameter after sharding)
         self.optimizer = make_adamw(self.params, optimizer)
         self.step = 0
         self.pending_calls = 0
@@ -269,7 +270,7 @@ class ShardedPolicyZone:
         ordinary HF model directory into `directory`."""
         full: dict[str, torch.Tensor] = {}
         for bucket in self.full_tensor_buckets(1 << 30):
-            full.update(bucket)
+            full.update({k: v for k, v in bucket.items() if k not in self.tied})  # a tied tensor once, as HF saves it
         if self.rank == 0:
             self.model.save_pretrained(directory, state_dict=full, safe_serialization=True)
         dist.barrier(group=self.group)
@@ -315,7 +316,7 @@ class ShardedPolicyZone:
         return [by_id[id(p)] for p in self.params]
 
     def _checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        out = {state_sharded.WEIGHTS + k: v for k, v in self.model.state_dict().items()}
+        out = {state_sharded.WEIGHTS + k: v for k, v in self.model.state_dict().items() if k not in self.tied}
         for name, p in zip(self.param_names(), self.params):
             for key, value in self.optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor):
@@ -328,22 +329,37 @@ class ShardedPolicyZone:
         StateError (on every rank, nothing written) while gradients wait for optim_step."""
         if self.pending_calls:
             raise StateError(PENDING_SAVE)
-        state_sharded.save_sharded(directory, self._checkpoint_tensors(), self.group)
+        state_sharded.save_sharded(directory, self._checkpoint_tensors(), self.group)  # StateError on every rank
+        failed = ""
         if self.rank == 0:
-            save_file({"torch_cpu": torch.get_rng_state()}, str(directory / POLICY_RNG_FILE))
-        dist.barrier(group=self.group)
+            try:
+                save_file({"torch_cpu": torch.get_rng_state()}, str(directory / POLICY_RNG_FILE))
+            except Exception as e:  # noqa: BLE001 - told to every rank below, then raised on each
+                failed = f"{type(e).__name__}: {e}"
+        if not self._all_agree(not failed):
+            raise StateError(f"save_state: policy rank 0 could not write {POLICY_RNG_FILE} under {directory}"
+                             + (f": {failed}" if failed else ""))
         opt = self.optimizer.state_dict()
         scalars: dict[str, dict[str, Any]] = {}
         for idx, param_state in opt["state"].items():
             for key, value in param_state.items():
                 if not isinstance(value, torch.Tensor):
                     scalars.setdefault(str(idx), {})[key] = value
-        return {
+        meta: dict[str, Any] = {
             "step": self.step,
             "param_groups": opt["param_groups"],
             "optimizer_scalars": scalars,
             "policy_layout": "sharded",
         }
+        if self.tied:
+            meta[TIED] = self.tied
+        return meta
+
+    def _all_agree(self, ok: bool) -> bool:
+        """Collective: True when `ok` on every rank (so every rank takes the same branch)."""
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
 
     def check_state(self, directory: Path, meta: dict[str, Any]) -> None:
         """StateError when the saved policy (either layout, any rank count) does not fit this
@@ -353,7 +369,7 @@ class ShardedPolicyZone:
         else:
             saved = saved_shapes(directory, "policy.safetensors")
         live = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
-        check_saved_policy(saved, live, meta, len(self.params), state_sharded.has_rng(directory))
+        check_saved_policy(with_tied(saved, meta), live, meta, len(self.params), state_sharded.has_rng(directory))
 
     @torch.no_grad()
     def load_state(self, directory: Path, meta: dict[str, Any]) -> None:
@@ -365,7 +381,9 @@ class ShardedPolicyZone:
         names = self.param_names()
         by_name = dict(zip(names, self.params))
         if policy_layout(meta) == "sharded":
-            targets = {state_sharded.WEIGHTS + k: v for k, v in self.model.state_dict().items()}
+            # Names the state holds; a name it ties to another is the same tensor here and is filled with it.
+            saved_tied = meta.get(TIED) or {}
+            targets = {state_sharded.WEIGHTS + k: v for k, v in self.model.state_dict().items() if k not in saved_tied}
             opt_targets: dict[int, dict[str, torch.Tensor]] = {}
             for key, (shape, dtype) in state_sharded.saved_index(directory).items():
                 if not key.startswith(state_sharded.OPTIM):

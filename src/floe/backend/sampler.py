@@ -15,8 +15,18 @@ joins the answers (`merge_results`): the same samples as one zone would give.
 Weights arrive whole (`receive`, one process) or streamed in buckets (`begin_receive`,
 `receive_bucket`..., `end_receive`, across processes: `floe.backend.sync.broadcast`). Until a
 streamed receive has ended with every tensor received, the zone's weights are incomplete
-(`weights_complete` is False) and it refuses to sample, so a sync that fails midway never
-yields samples stamped with a version the weights do not hold.
+(`weights_complete` is False). Either way, from the first tensor a receive changes until the
+Backend has verified the sync and called `set_version` (or `load_state`, after the verified
+push of a restored policy), the weights are not the ones the version names
+(`weights_match_version` is False) and the zone refuses to sample: after ANY failed sync (a
+transfer cut short, a fingerprint mismatch, a dead replica) no sample is ever stamped with a
+version its weights are not, until a sync succeeds. A sync refused before anything moved (e.g.
+non-finite policy weights) leaves the zone as it was.
+
+Dtypes: `held_dtypes()` says what the engine holds each weight in; the sync methods cast the
+policy's tensors to those before sending (`backend.sync.cast_for`), so an fp32 policy syncs into
+a bf16 engine (and the other way round) and the fingerprints compared are those of the same,
+cast, tensors.
 
 Sleep / wake (colocation): `sleep()` releases the engine's device memory, `wake()` brings it
 back (`SamplerEngine.sleep`); sampling while asleep raises StateError. `memory()` says where
@@ -33,7 +43,7 @@ from typing import Any
 import torch
 
 from floe.backend.state import ZoneState
-from floe.backend.sync.base import Fingerprint
+from floe.backend.weights import Fingerprint
 from floe.errors import InvalidInput, StateError
 from floe.sampler.engine import SamplerEngine, seeds_match_prompts
 from floe.sampler.noise import derive
@@ -93,6 +103,7 @@ class SamplerZone:
         self._seed_lock = threading.Lock()
         self._received: set[str] | None = None  # names received by the streamed receive under way
         self._complete = True  # False from begin_receive until end_receive succeeds
+        self._matches_version = True  # False from a receive's first change until set_version / load_state
 
     @property
     def version(self) -> int:
@@ -123,17 +134,34 @@ class SamplerZone:
         ended)."""
         start = time.perf_counter()
         seeds_match_prompts(prompts, seeds)
-        if not self._complete:
-            raise StateError("sample: the sampler's weights are incomplete (a weight sync failed midway or has not "
-                             "ended); run sync_weights again")
+        self.check_weights()
         version = self._version
         groups = self.engine.generate(prompts, n, params, seeds, version)
         num_tokens = sum(len(s.tokens) for g in groups for s in g.samples)
         return SampleResult(groups, version, num_tokens, time.perf_counter() - start)
 
+    def check_weights(self) -> None:
+        """StateError unless the weights held are complete and the ones the version names."""
+        if not self._complete:
+            raise StateError("sample: the sampler's weights are incomplete (a weight sync failed midway or has not "
+                             "ended); run sync_weights again")
+        if not self._matches_version:
+            raise StateError(f"sample: the sampler's weights are not those of its version {self._version} (a weight "
+                             "sync changed them and then failed, or has not been verified); run sync_weights again")
+
+    def held_dtypes(self) -> dict[str, str]:
+        """The dtype name of every weight the engine holds (`SamplerEngine.dtypes`)."""
+        return self.engine.dtypes()
+
+    def held_fingerprints(self) -> dict[str, Fingerprint]:
+        """Fingerprints of the weights the engine holds now (`SamplerEngine.fingerprints`)."""
+        return self.engine.fingerprints()
+
     def receive(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, Fingerprint]:
         """Take every tensor at once (StateError before any change when names or shapes
-        differ); returns the fingerprints the engine now holds."""
+        differ); returns the fingerprints the engine now holds. The weights no longer match the
+        version until `set_version` (module docstring)."""
+        self._matches_version = False  # load_weights checks first: a refused receive changes nothing but this
         self.engine.load_weights(tensors)
         self._received, self._complete = None, True
         return self.engine.fingerprints()
@@ -143,9 +171,15 @@ class SamplerZone:
         """False from `begin_receive` until an `end_receive` that found every tensor received."""
         return self._complete
 
+    @property
+    def weights_match_version(self) -> bool:
+        """False from a receive until the Backend's `set_version` (or `load_state`) after a verified sync."""
+        return self._matches_version
+
     def begin_receive(self) -> None:
-        """Start a streamed receive: the weights count as incomplete until `end_receive`."""
-        self._received, self._complete = set(), False
+        """Start a streamed receive: the weights count as incomplete until `end_receive`, and
+        as not matching the version until `set_version`."""
+        self._received, self._complete, self._matches_version = set(), False, False
 
     def receive_bucket(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy one bucket (any subset of the names) into the engine's weights in place.
@@ -188,7 +222,10 @@ class SamplerZone:
         return self.engine.memory()
 
     def set_version(self, version: int) -> None:
+        """Record that the weights now held are version `version` (after a verified sync): the
+        zone samples again."""
         self._version = version
+        self._matches_version = True
 
     def save_state(self) -> ZoneState:
         with self._seed_lock:
@@ -200,7 +237,10 @@ class SamplerZone:
             raise StateError("load_state: the state has no sampler version or generator; it is not a floe state")
 
     def load_state(self, state: ZoneState) -> None:
+        """Restore version and generator; called after the verified push of the restored policy's
+        weights, so the weights now held are that version's."""
         self._version = int(state.meta["sampler_version"])
+        self._matches_version = True
         with self._seed_lock:
             self._generator.set_state(state.tensors["rng.safetensors"]["sampler"])
 

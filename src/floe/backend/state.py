@@ -15,20 +15,44 @@ executes code on load). Format 2 (written now):
 Format 1 (still read): the same without `policy_layout` (= "full"), the policy's RNG in
 rng.safetensors ("torch_cpu") next to the sampler's.
 
+Tied weights (a model whose LM head is its input embedding: Qwen3 0.6B-4B, Llama 3.2 1B/3B,
+Gemma): in either layout the shared tensor is saved once, under its first state-dict name, and
+state.json's `tied_weights` maps every other name of it to that one ({"lm_head.weight":
+"model.embed_tokens.weight"}); a load gives the other names the same tensor (`with_tied`), and
+the model's own tie is untouched (one parameter, both names). safetensors refuses to store
+one tensor twice, so this is the only way a sharded (DCP) state of such a model can be written.
+States of tied models saved before `tied_weights` existed hold the tensor under both names and
+load as they are.
+
+state.json also lists every other file of the state with its size in bytes (`files`,
+relative paths), written last, so a file that is missing, cut short or grown is found before
+anything loads (`check_intact`; states without the list get the header checks only).
+
 The zones that keep an in-memory state (the sampler) give it as a `ZoneState` (tensors per
 file, JSON keys); the policy writes its files into the temp directory and returns its JSON
 keys, so a sharded policy writes its own shards. The directory is written through
 `floe.atomic.atomic_directory` (a crash leaves the old state or the new one, never a mix);
 every zone checks its part before any zone applies it, so a bad state changes nothing.
+
+Finding states: `list_states(parent)` is the one listing every path that looks for states
+uses (the Backend's list_states, `floe eval --checkpoint`, `floe serve --resume-from` /
+`--resume-latest`): it first finishes swaps a crash interrupted and removes what killed
+writers left (`floe.atomic.recover_all`). `newest_intact_state` is what `--resume-latest`
+resumes: the newest state that `check_intact` accepts, with the damaged ones it skipped.
+
+A damaged state (state.json unreadable, a file missing or of the wrong size, a safetensors
+file whose header does not parse) is a StateError naming the state, the file and what is
+wrong (`check_intact`, which `read_state` runs before any zone reads a byte).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,13 +61,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from floe.atomic import atomic_directory, recover, recover_all
+from floe.atomic import atomic_directory, owner_tag, recover, recover_all
 from floe.errors import StateError
 from floe.names import check_name, path_under
 
 __all__ = [
-    "FORMAT_VERSION", "POLICY_RNG_FILE", "STATE_FILES", "ZoneState", "check_state_name", "delete_state_dir",
-    "list_state_dirs", "policy_layout", "read_meta", "read_policy_files", "read_state", "saved_shapes", "state_path",
+    "FORMAT_VERSION", "POLICY_RNG_FILE", "STATE_FILES", "TIED", "ZoneState", "check_intact", "check_state_name",
+    "delete_state_dir", "list_state_dirs", "list_states", "newest_intact_state", "policy_layout", "read_meta",
+    "read_policy_files", "read_state", "saved_shapes", "state_path", "states_newest_first", "tied_names", "with_tied",
     "write_policy_files", "write_state",
 ]
 
@@ -52,6 +77,7 @@ READABLE_FORMATS = (1, 2)
 STATE_FILES = ("policy.safetensors", "optimizer.safetensors", "rng.safetensors")
 POLICY_RNG_FILE = "policy_rng.safetensors"
 _META = "state.json"
+_FILES = "files"  # state.json key: relative path -> size in bytes of every other file of the state
 
 
 def check_state_name(name: Any) -> str:
@@ -106,21 +132,78 @@ def write_state(
             if (tmp / file).exists():
                 raise ValueError(f"state parts collide with the policy's file {file}")
             save_file(tensors, str(tmp / file))
-        meta = {"format": FORMAT_VERSION, "model": model_name, **policy_meta, **merged.meta}
+        if _FILES in policy_meta or _FILES in merged.meta:
+            raise ValueError(f"state parts may not set the state.json key {_FILES!r} (the file list)")
+        listing = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        meta = {"format": FORMAT_VERSION, "model": model_name, **policy_meta, **merged.meta, _FILES: listing}
         (tmp / _META).write_text(json.dumps(meta, indent=2))
 
 
-def read_state(directory: Path, files: tuple[str, ...] = STATE_FILES) -> ZoneState:
-    """state.json and the tensors of `files` (those present) of a state directory; StateError
-    when there is no state or its format is not readable. Zones check their own part against
-    the live model before anything is applied; the policy reads its own files
-    (`read_policy_files`, `state_sharded`)."""
-    recover(directory)
+def _damaged(directory: Path, what: str, file: str, problem: str) -> StateError:
+    name = directory.name
+    return StateError(f"{what}: the state {name!r} at {directory} is damaged: {file}: {problem}; delete it "
+                      f"(delete_state({name!r})) or load another state")
+
+
+def _read_meta_checked(directory: Path, what: str) -> dict[str, Any]:
+    """state.json as a dict; StateError when there is no state or state.json is damaged."""
     if not (directory / _META).is_file():
-        raise StateError(f"load_state: no saved state at {directory}")
-    meta = json.loads((directory / _META).read_text())
+        raise StateError(f"{what}: no saved state at {directory}")
+    try:
+        meta = json.loads((directory / _META).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _damaged(directory, what, _META, f"not readable JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise _damaged(directory, what, _META, "not a JSON object")
+    return meta
+
+
+def check_intact(directory: Path, what: str = "load_state") -> dict[str, Any]:
+    """The state's state.json after checking the state is whole: state.json parses, its format
+    is readable, every file it lists is there with its size, the files the policy layout and
+    the sampler need are there, and every safetensors file's header parses and covers the file
+    exactly. Headers only: nothing is loaded. StateError naming the state, the file and the
+    problem otherwise (`what` names the operation in the message)."""
+    recover(directory)
+    meta = _read_meta_checked(directory, what)
     if meta.get("format") not in READABLE_FORMATS:
-        raise StateError(f"load_state: state format {meta.get('format')} is not one of {list(READABLE_FORMATS)}")
+        raise StateError(f"{what}: the state {directory.name!r} has format {meta.get('format')!r}, not one of "
+                         f"{list(READABLE_FORMATS)} (a newer floe wrote it, or it is not a floe state)")
+    listed = meta.get(_FILES)
+    if listed is not None:
+        if not isinstance(listed, dict):
+            raise _damaged(directory, what, _META, f"its {_FILES!r} entry is not a table of files")
+        for rel, size in sorted(listed.items()):
+            path = directory / rel
+            if not path.is_file():
+                raise _damaged(directory, what, rel, "missing")
+            actual = path.stat().st_size
+            if actual != size:
+                raise _damaged(directory, what, rel, f"{actual} bytes, {size} when it was saved (cut short or changed)")
+    layout = meta.get("policy_layout", "full")
+    needed = ["rng.safetensors"] + (["policy.safetensors", "optimizer.safetensors"] if layout == "full" else [])
+    for file in needed:
+        if not (directory / file).is_file():
+            raise _damaged(directory, what, file, "missing")
+    if layout == "sharded" and not any((directory / "policy").glob("*.safetensors")):
+        raise _damaged(directory, what, "policy/", "no policy shards")
+    for path in sorted(directory.rglob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                    f.get_slice(key).get_shape()
+        except Exception as e:  # noqa: BLE001 - SafetensorError and OSError: the file is damaged
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise _damaged(directory, what, path.relative_to(directory).as_posix(), first) from None
+    return meta
+
+
+def read_state(directory: Path, files: tuple[str, ...] = STATE_FILES) -> ZoneState:
+    """state.json and the tensors of `files` (those present) of a state directory, after
+    `check_intact`; StateError when there is no state, its format is not readable or it is
+    damaged. Zones check their own part against the live model before anything is applied;
+    the policy reads its own files (`read_policy_files`, `state_sharded`)."""
+    meta = check_intact(directory)
     return ZoneState({file: load_file(str(directory / file)) for file in files if (directory / file).is_file()}, meta)
 
 
@@ -130,6 +213,48 @@ def policy_layout(meta: dict[str, Any]) -> str:
     if layout not in ("full", "sharded"):
         raise StateError(f"load_state: unknown policy_layout {layout!r} in state.json")
     return layout
+
+
+TIED = "tied_weights"  # state.json key: other state-dict name of a shared tensor -> the name it is saved under
+
+
+def tied_names(model: Any) -> dict[str, str]:
+    """{name: first name} for every parameter or buffer of `model` reachable under more than one
+    state-dict name (tied embeddings), each later name mapped to the first one (state-dict
+    order). Empty for a model without ties."""
+    first: dict[Any, str] = {}
+    tied: dict[str, str] = {}
+    if hasattr(model, "named_parameters"):  # a module: one parameter object under several names
+        named: Any = itertools.chain(model.named_parameters(remove_duplicate=False),
+                                     model.named_buffers(remove_duplicate=False))
+        key: Callable[[torch.Tensor], Any] = id
+    else:  # an object with only state_dict (a LoRA adapter view): tensors sharing their storage
+        named = model.state_dict().items()
+
+        def key(t: torch.Tensor) -> Any:
+            return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+    for name, tensor in named:
+        k = key(tensor)
+        if k in first:
+            tied[name] = first[k]
+        else:
+            first[k] = name
+    return tied
+
+
+def with_tied(values: Mapping[str, Any], meta: Mapping[str, Any]) -> dict[str, Any]:
+    """`values` (tensors or shapes by state-dict name, as saved) plus every tied name of
+    `meta[TIED]` given its saved tensor's value; StateError when the record names a tensor the
+    state does not hold."""
+    out = dict(values)
+    tied = meta.get(TIED) or {}
+    if not isinstance(tied, dict):
+        raise StateError(f"load_state: state.json's {TIED!r} is not a table of names")
+    for alias, name in tied.items():
+        if name not in out:
+            raise StateError(f"load_state: state.json ties {alias!r} to {name!r}, which the state does not hold")
+        out[alias] = out[name]
+    return out
 
 
 def write_policy_files(directory: Path, part: ZoneState) -> None:
@@ -149,7 +274,7 @@ def read_policy_files(directory: Path, meta: dict[str, Any]) -> ZoneState:
         rng = load_file(str(rng_file)) if rng_file.is_file() else load_file(str(directory / "rng.safetensors"))
         return ZoneState(
             {
-                "policy.safetensors": load_file(str(directory / "policy.safetensors")),
+                "policy.safetensors": with_tied(load_file(str(directory / "policy.safetensors")), meta),
                 "optimizer.safetensors": load_file(str(directory / "optimizer.safetensors")),
                 "rng.safetensors": {k: v for k, v in rng.items() if k == "torch_cpu"},
             },
@@ -169,24 +294,53 @@ def saved_shapes(directory: Path, file: str) -> dict[str, tuple[int, ...]]:
 
 
 def read_meta(directory: Path) -> dict[str, Any] | None:
-    """state.json of a saved state, or None when there is no state at `directory`."""
+    """state.json of a saved state, or None when there is no state at `directory`; StateError
+    when state.json is damaged."""
     recover(directory)
     if not (directory / _META).is_file():
         return None
-    return json.loads((directory / _META).read_text())
+    return _read_meta_checked(directory, "read_meta")
 
 
-def list_state_dirs(parent: Path) -> list[str]:
-    """Names of the saved states under `parent`, sorted (interrupted swaps recovered first)."""
+def list_states(parent: Path) -> list[str]:
+    """Names of the saved states under `parent`, sorted: the one listing every path that looks
+    for states uses. Interrupted swaps are finished first and leftovers of dead writers removed
+    (`floe.atomic.recover_all`), so a state whose overwrite a crash interrupted is listed."""
+    parent = Path(parent)
     if not parent.is_dir():
         return []
     recover_all(parent)
     return sorted(p.name for p in parent.iterdir() if (p / _META).is_file() and not p.name.startswith("."))
 
 
+list_state_dirs = list_states  # the earlier name
+
+
+def states_newest_first(parent: Path) -> list[str]:
+    """`list_states`, most recently saved first (by state.json's modification time)."""
+    parent = Path(parent)
+    names = list_states(parent)
+    return sorted(names, key=lambda n: ((parent / n / _META).stat().st_mtime_ns, n), reverse=True)
+
+
+def newest_intact_state(parent: Path) -> tuple[str | None, list[tuple[str, str]]]:
+    """(the newest state under `parent` that `check_intact` accepts, or None; the newer ones it
+    skipped as (name, why) pairs, newest first): what `floe serve --resume-latest` resumes."""
+    skipped: list[tuple[str, str]] = []
+    for name in states_newest_first(parent):
+        try:
+            check_intact(Path(parent) / name, "resume")
+        except StateError as e:
+            skipped.append((name, str(e)))
+            continue
+        return name, skipped
+    return None, skipped
+
+
 def delete_state_dir(directory: Path) -> None:
     """Remove a state: renamed aside first (it leaves the listing at once and a crash cannot
-    leave a half-deleted state under its name), then removed."""
-    aside = directory.parent / f".{directory.name}.deleted-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    leave a half-deleted state under its name), then removed (a crash midway leaves a
+    `.deleted-` sibling that the next listing removes, `floe.atomic`)."""
+    aside = directory.parent / f".{directory.name}.deleted-{owner_tag()}-{uuid.uuid4().hex[:8]}"
     os.replace(directory, aside)
     shutil.rmtree(aside, ignore_errors=True)

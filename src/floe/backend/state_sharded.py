@@ -7,7 +7,8 @@ A state saved by `policy_sharded.ShardedPolicyZone` holds, next to state.json:
                            the slice offsets in the safetensors header metadata. No `.metadata`
                            pickle is written; the reader rebuilds the index from the headers.
                            Keys: "weights.<state-dict name>" (fp32 masters for trainable
-                           parameters, buffers in the model's dtype) and
+                           parameters, buffers in the model's dtype; a tied tensor once, under
+                           its first name, the others in state.json's `tied_weights`) and
                            "optim.<parameter name>.<AdamW key>" (exp_avg, exp_avg_sq, step).
   policy_rng.safetensors   torch's CPU RNG of rank 0 ("torch_cpu"), as in the "full" layout.
 state.json gets `policy_layout = "sharded"`, step, param_groups and optimizer_scalars as the
@@ -28,12 +29,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from floe.backend.state import POLICY_RNG_FILE, ZoneState, saved_shapes
+from floe.backend.state import POLICY_RNG_FILE, ZoneState, saved_shapes, with_tied
 from floe.errors import StateError
 
 __all__ = [
@@ -48,9 +50,28 @@ OPTIM = "optim."
 
 def save_sharded(directory: Path, tensors: dict[str, torch.Tensor], group: dist.ProcessGroup) -> None:
     """Collective: every rank of `group` writes its slices of `tensors` (DTensors or replicated
-    plain tensors, same keys on every rank) under `directory/POLICY_DIR`."""
+    plain tensors, same keys on every rank, no tensor under two keys) under `directory/POLICY_DIR`.
+    StateError on every rank when any rank fails to write (torch.distributed.checkpoint gathers
+    the ranks' failures and raises on all of them, as a BaseException: CheckpointException)."""
     writer = HuggingFaceStorageWriter(str(directory / POLICY_DIR), save_distributed=True)
-    dcp_save(tensors, storage_writer=writer, process_group=group)
+    try:
+        dcp_save(tensors, storage_writer=writer, process_group=group)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank gets the same failure
+        raise StateError(f"save_state: the policy ranks could not write their shards under {directory}: "
+                         f"{_first_failure(e)}") from None
+
+
+def _first_failure(error: BaseException) -> str:
+    """One line for a failed checkpoint write: the first failing rank's exception."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank = min(failures)
+        cause = failures[rank]
+        cause = cause[0] if isinstance(cause, tuple) else cause
+        text = " ".join(str(cause).split())
+        return f"rank {rank}: {type(cause).__name__}: {text[:300]}"
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text[:300]}"
 
 
 def saved_index(directory: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -118,6 +139,7 @@ def read_as_full(directory: Path, meta: dict[str, Any], param_names: list[str]) 
                 raise StateError(f"load_state: the saved optimizer has state for {name}, not a parameter of this model")
             optim[f"{position[name]}.{field}"] = value
     return ZoneState(
-        {"policy.safetensors": weights, "optimizer.safetensors": optim, "rng.safetensors": {"torch_cpu": read_rng(directory)}},
+        {"policy.safetensors": with_tied(weights, meta), "optimizer.safetensors": optim,
+         "rng.safetensors": {"torch_cpu": read_rng(directory)}},
         meta,
     )

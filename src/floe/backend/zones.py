@@ -28,7 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from floe.backend.state import ZoneState
-from floe.backend.sync.base import Fingerprint, WeightsSnapshot
+from floe.backend.weights import Fingerprint, WeightsSnapshot
 from floe.compute.losses import LossSpec
 from floe.types import Batch, ForwardBackwardResult, ForwardResult, OptimStepResult, SampleResult, SamplingParams
 
@@ -102,12 +102,19 @@ class SamplerWorker(Protocol):
 
     def sample(self, prompts: list[list[int]], n: int, params: SamplingParams) -> SampleResult: ...
 
+    def held_dtypes(self) -> dict[str, str]:
+        """The dtype name ("float32", "bfloat16", ...) the engine holds each weight in, by
+        state-dict name; a sync casts the published tensors to these (`sync.cast_for`)."""
+        ...
+
     def receive(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, Fingerprint]:
-        """Take new weights; returns the fingerprints of what the sampler now holds."""
+        """Take new weights; returns the fingerprints of what the sampler now holds. From here
+        until `set_version` the sampler refuses to sample (its weights are not its version's)."""
         ...
 
     def set_version(self, version: int) -> None:
-        """Record that the weights now held are version `version` (after a verified sync)."""
+        """Record that the weights now held are version `version` (after a verified sync); the
+        sampler samples again."""
         ...
 
     def save_state(self) -> ZoneState:

@@ -6,7 +6,8 @@ transformers itself would choose), decided from the model class's `_supports_*` 
 any weight is read; an explicit choice the architecture or this machine cannot run is an
 `InvalidInput` that names the ones it can.
 
-It also owns the checks that run before anything loads (`check_device`, `check_model_source`),
+It also owns the checks that run before anything loads (`check_model_source`; the device check,
+which needs torch alone, is `floe.devices.check_device`),
 shared by the Backend's start-up and the CLI's preflight (`floe.rl.preflight`), so a wrong
 device or model path is one InvalidInput line naming the field and the fix.
 """
@@ -47,27 +48,6 @@ def resolve_dtype(name: str) -> torch.dtype:
         return _DTYPES[name]
     except KeyError:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}") from None
-
-
-def check_device(device: str, field: str = "device", cpu_hint: str = "device='cpu'") -> None:
-    """InvalidInput(field, ...) when ``device`` names an accelerator this torch build cannot use.
-
-    "cpu" (and any device that is neither CUDA nor MPS) passes unchecked. ``cpu_hint`` is how
-    the caller's user picks the CPU instead (the CLI says "--backend.device cpu").
-    """
-    kind = device.split(":", 1)[0]
-    if kind not in ("cuda", "mps"):
-        return
-    if kind == "cuda":
-        if not torch.cuda.is_available():
-            build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}, but no GPU is visible"
-            raise InvalidInput(field, f"{device!r} is not available: torch {torch.__version__} is {build}; "
-                                      f"use {cpu_hint}, or install a CUDA build of torch")
-        index = device.split(":", 1)[1] if ":" in device else "0"
-        if not index.isdigit() or int(index) >= torch.cuda.device_count():
-            raise InvalidInput(field, f"{device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    elif not torch.backends.mps.is_available():
-        raise InvalidInput(field, f"{device!r} is not available on this machine; use {cpu_hint}")
 
 
 def check_model_source(path: str, field: str = "model") -> None:

@@ -7,7 +7,9 @@ weights (synchronous) and with k > 0 it runs up to k steps ahead, overlapping tr
 sample records the weights version that produced it; staleness = trainer step - version.
 
 Runs are resumable: a checkpoint saves the backend state and `loop_state.json`; `--resume`
-loads the latest, truncates the JSONL outputs to that step and continues with the next one.
+loads the latest, truncates the JSONL outputs to that step and continues with the next one (a
+damaged latest checkpoint is skipped, with a line saying so, for the run's newest older one
+that loads).
 Old checkpoints are pruned through `client.delete_state`, so a remote backend drops them too.
 Step i's tasks and sampling seed derive from (seed, i), so a resumed synchronous run is the
 run it would have been (with k > 0, which version a batch is sampled with depends on thread
@@ -32,7 +34,7 @@ from typing import Any
 import floe
 from floe.atomic import atomic_write_text
 from floe.compute.losses import resolve_loss
-from floe.errors import InvalidInput
+from floe.errors import InvalidInput, StateError, WorkerFailed
 from floe.rl.advantages import build_training_batch
 from floe.rl.config import RESUMABLE_KEYS, Recipe, config_changes, is_resumable, loss_request
 from floe.rl.evaluation import evaluate, rollout_record
@@ -131,11 +133,36 @@ class Trainer:
             truncate_jsonl(self.run_dir / "rollouts.jsonl", -1)
             return 0
         state = json.loads((self.run_dir / "loop_state.json").read_text())
-        client.load_state(state["checkpoint"])
-        done = int(state["step"])
+        done = self._load_checkpoint(client, state["checkpoint"], int(state["step"]))
         truncate_jsonl(self.run_dir / "metrics.jsonl", done)
         truncate_jsonl(self.run_dir / "rollouts.jsonl", done)
         return done
+
+    def _load_checkpoint(self, client: floe.Client, name: str, step: int) -> int:
+        """Load the run's last checkpoint `name` (at `step`); returns the step loaded. When that
+        state cannot be loaded (damaged: a file missing or cut short), the run's newest older
+        checkpoint that loads is taken instead, saying which was skipped and why; the first
+        error is raised when none loads. A worker failure is raised at once."""
+        try:
+            client.load_state(name)
+            return step
+        except WorkerFailed:
+            raise
+        except StateError as first:
+            prefix = f"{self._checkpoint_prefix}step_"
+            older = sorted((n for n in client.list_states() if n.startswith(prefix) and n < name), reverse=True)
+            for candidate in older:
+                try:
+                    client.load_state(candidate)
+                except WorkerFailed:
+                    raise
+                except StateError:
+                    continue
+                at = int(candidate.removeprefix(prefix))
+                print(f"floe: the last checkpoint {name!r} (step {step}) could not be loaded ({first}); resuming from "
+                      f"{candidate!r} (step {at}) instead", file=sys.stderr)
+                return at
+            raise
 
     def _checkpoint(self, client: floe.Client, step: int) -> None:
         name = f"{self._checkpoint_prefix}step_{step:06d}"

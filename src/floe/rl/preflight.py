@@ -10,8 +10,9 @@ instead of a traceback after a warm start:
 * ``backend.device``: a CUDA (or MPS) device this torch build cannot use;
 * ``model.path``: a missing directory, a directory that is not a Hugging Face model, or a hub
   id that is neither in the local cache nor reachable (HF_HUB_OFFLINE set, or the hub does not
-  answer within `HUB_TIMEOUT_S`) -- `check_model_source`; this and `check_device` live in
-  `floe.models.loading`, shared with the Backend's start-up checks;
+  answer within `HUB_TIMEOUT_S`) -- `check_model_source` (`floe.models.loading`); it and
+  `floe.devices.check_device` are shared with the Backend's start-up checks (the CLI runs the
+  device check already right after the recipe, before importing the model stack);
 * optional extras the recipe needs (wandb, tensorboard) -- `require_extra`;
 * data files with too few rows for ``eval.size``, ``train.groups_per_step`` or
   ``warm_start.batch_size``.
@@ -43,7 +44,8 @@ def check_recipe(recipe: Recipe, *, model: bool = True, where: str = "recipe") -
         engine = recipe.backend.get("sampler", {}).get("engine", {}).get("name", "torch")
         if engine == "vllm":
             require_extra("vllm", "vllm", f"{where}.backend.sampler.engine.name")
-        from floe.models.loading import check_device, check_model_source  # noqa: PLC0415 - torch loads only here
+        from floe.devices import check_device  # noqa: PLC0415 - torch loads only here
+        from floe.models.loading import check_model_source  # noqa: PLC0415
 
         check_device(recipe.backend.get("device", "cpu"), f"{where}.backend.device", "--backend.device cpu")
         if recipe.model.path is not None:

@@ -5,6 +5,14 @@ A tiny model is built from its config and, when the recipe has [warm_start], tra
 result is cached under $FLOE_CACHE (default ~/.cache/floe) by a hash of everything that
 shapes it, so the second run starts at once; a missing cache entry is rebuilt. Cache entries
 are written with `floe.atomic.atomic_directory`, so a crash never leaves a half-built model.
+
+"Everything that shapes it" includes the code: the spec holds a digest of floe's own source
+(`source_digest`) and torch's version, so an entry built by another floe (or torch) is never
+reused; before, the key held only the recipe's keys, and a cache built by older code kept
+giving its older model (and its rewards) while an empty cache gave the current one. The warm
+start is deterministic for given code, torch build, thread count and CPU: an empty cache and
+a cached entry give the same model bit for bit. Another CPU computes the same fp32 sums with
+other kernels, so its 220 SFT steps end in a slightly different model (README: what varies).
 """
 
 from __future__ import annotations
@@ -49,20 +57,48 @@ def connect_recipe(recipe: Recipe, progress: Progress | None = None) -> floe.Cli
         raise InvalidInput(f"recipe.backend.{e.field.removeprefix('config.')}", e.message) from None
 
 
+_SOURCE_DIGEST: str | None = None
+
+
+def source_digest() -> str:
+    """SHA-256 (16 hex digits) of floe's own source files (paths and bytes), computed once."""
+    global _SOURCE_DIGEST
+    if _SOURCE_DIGEST is None:
+        root = Path(floe.__file__).parent
+        digest = hashlib.sha256()
+        for path in sorted(root.rglob("*.py")):
+            digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+        _SOURCE_DIGEST = digest.hexdigest()[:16]
+    return _SOURCE_DIGEST
+
+
+def model_spec(recipe: Recipe) -> dict[str, Any]:
+    """Everything that shapes the starting model of a tiny-model recipe (its cache key)."""
+    import torch  # noqa: PLC0415 - the warm start runs on it; its kernels shape the result
+
+    assert recipe.model.tiny is not None
+    return {
+        "tiny": recipe.model.tiny.make_tiny_kwargs(),
+        "warm_start": recipe.warm_start.model_dump() if recipe.warm_start else None,
+        "env": recipe.env.model_dump() if recipe.warm_start else None,
+        "version": 2,
+        "built_by": {"floe_source": source_digest(), "torch": torch.__version__},
+    }
+
+
+def cache_entry(spec: dict[str, Any]) -> Path:
+    """The cache directory of a model spec (`model_spec`)."""
+    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root() / "models" / f"tiny-{key}"
+
+
 def prepare_model(recipe: Recipe, progress: Progress | None = None) -> str:
     """The model path the run starts from, building and warm-starting it when needed.
     ([warm_start] applies to a tiny model; a model.path is used as it is: `floe sft` trains one.)"""
     if recipe.model.path is not None:
         return recipe.model.path
-    assert recipe.model.tiny is not None
-    spec = {
-        "tiny": recipe.model.tiny.make_tiny_kwargs(),
-        "warm_start": recipe.warm_start.model_dump() if recipe.warm_start else None,
-        "env": recipe.env.model_dump() if recipe.warm_start else None,
-        "version": 1,
-    }
-    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
-    final = cache_root() / "models" / f"tiny-{key}"
+    spec = model_spec(recipe)
+    final = cache_entry(spec)
     recover(final)
     if (final / "config.json").is_file():
         return str(final)

@@ -77,6 +77,11 @@ def copy_in_place(
         own[name].copy_(tensor)
 
 
+def dtype_names(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """Name -> dtype name ("float32", "bfloat16", ...) of every tensor: what `SamplerEngine.dtypes` returns."""
+    return {name: str(t.dtype).removeprefix("torch.") for name, t in tensors.items()}
+
+
 def fingerprints(tensors: Mapping[str, torch.Tensor]) -> dict[str, Fingerprint]:
     """`fingerprint` of every named tensor: what `SamplerEngine.fingerprints` returns and
     what a weight sync (`floe.backend.sync`) compares with the policy's."""
@@ -117,6 +122,12 @@ class SamplerEngine(Protocol):
 
     def fingerprints(self) -> dict[str, Fingerprint]:
         """`fingerprints` of the weights the engine holds now, by state-dict name."""
+        ...
+
+    def dtypes(self) -> dict[str, str]:
+        """The dtype ("float32", "bfloat16", ...) of every weight the engine holds, by state-dict
+        name: a sync casts the policy's tensors to these before sending, so the fingerprints it
+        publishes are those of what the engine will hold."""
         ...
 
     @property

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from floe.config import EngineConfig, TorchEngineConfig, VllmEngineConfig
@@ -39,6 +40,8 @@ class EngineSource:
 
 def _build_torch(config: TorchEngineConfig, source: EngineSource) -> TorchEngine:
     model = copy.deepcopy(source.model)
+    if config.dtype != "auto":  # every sync casts the policy's weights to the engine's dtypes (backend.sync)
+        model.to(getattr(torch, config.dtype))
     model.eval()
     return TorchEngine(model, source.tokenizer, config.max_batch_sequences)
 

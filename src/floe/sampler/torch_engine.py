@@ -33,7 +33,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from floe.errors import InvalidInput, StateError
-from floe.sampler.engine import Fingerprint, copy_in_place, fingerprints, seeds_match_prompts
+from floe.sampler.engine import Fingerprint, copy_in_place, dtype_names, fingerprints, seeds_match_prompts
 from floe.sampler.kv_cache import preallocated_cache
 from floe.sampler.noise import derive, derive_tensor, sample_categorical
 from floe.types import SampledGroup, SampledSequence, SamplingParams, StopReason
@@ -213,6 +213,9 @@ class TorchEngine:
 
     def fingerprints(self) -> dict[str, Fingerprint]:
         return fingerprints(self.model.state_dict())
+
+    def dtypes(self) -> dict[str, str]:
+        return dtype_names(self.model.state_dict())
 
     @property
     def asleep(self) -> bool:

@@ -81,7 +81,7 @@ from torch import nn
 
 from floe.config import VllmEngineConfig
 from floe.errors import InvalidInput, StateError
-from floe.sampler.engine import Fingerprint, check_layout, fingerprints, seeds_match_prompts
+from floe.sampler.engine import Fingerprint, check_layout, dtype_names, fingerprints, seeds_match_prompts
 from floe.types import SampledGroup, SampledSequence, SamplingParams, StopReason
 
 try:
@@ -325,6 +325,11 @@ class VllmEngine:
     def fingerprints(self) -> dict[str, Fingerprint]:
         with self._lock:
             return self._apply(lambda m: fingerprints(_hf_views(m, self.tie_word_embeddings)))
+
+    def dtypes(self) -> dict[str, str]:
+        """The dtypes vLLM holds the weights in (its `dtype`), by the policy's names."""
+        with self._lock:
+            return self._apply(lambda m: dtype_names(_hf_views(m, self.tie_word_embeddings)))
 
     @property
     def asleep(self) -> bool:

@@ -14,9 +14,10 @@ variable (kept out of `ps`).
 Start-up order: configs and flags are validated, then host:port is bound (a port in use is one
 line, exit 2), and only then is the model prepared and loaded; uvicorn serves on that socket.
 The placement is the config's (`[backend.placement]`, e.g. `@ recipes/overlays/ray.toml`): a Ray
-backend is served exactly like a local one. `--resume-latest` loads the newest saved state
-(by its state.json time) before serving, so a server restarted on a fresh cluster continues
-where the last one saved; on shutdown the backend is closed (a Ray placement's workers go).
+backend is served exactly like a local one. `--resume-latest` loads the newest intact saved state
+(by its state.json time; a state whose overwrite a crash interrupted is recovered first, and a
+damaged one is skipped with a line saying which and why) before serving, so a server restarted
+on a fresh cluster continues where the last one saved; on shutdown the backend is closed (a Ray placement's workers go).
 """
 
 from __future__ import annotations
@@ -160,9 +161,12 @@ def _merge(files: list[str], overrides: dict[str, Any]) -> dict[str, Any]:
 
 
 def latest_state(state_dir: Path) -> str | None:
-    """The most recently saved state under `state_dir` (by its state.json time), if any."""
-    found = [p for p in state_dir.glob("*/state.json") if not p.parent.name.startswith(".")] if state_dir.is_dir() else []
-    return max(found, key=lambda p: p.stat().st_mtime_ns).parent.name if found else None
+    """The most recently saved intact state under `state_dir` (by its state.json time), if any
+    (`floe.backend.state.newest_intact_state`: interrupted overwrites recovered, damaged states
+    skipped)."""
+    from floe.backend.state import newest_intact_state  # noqa: PLC0415 - torch, once we will serve
+
+    return newest_intact_state(Path(state_dir))[0]
 
 
 def serve_main(argv: list[str]) -> int:
@@ -172,8 +176,11 @@ def serve_main(argv: list[str]) -> int:
         server_config = server_from(data, args)
         parsed = parse_backend(data)
         check_exposure(server_config.host, server_config.token, server_config.tinker_api_keys)
-        if args.resume_from and not (Path(parsed.state_dir) / args.resume_from / "state.json").is_file():
-            raise InvalidInput("--resume-from", f"no saved state {args.resume_from!r} in {parsed.state_dir}")
+        if args.resume_from:
+            from floe.backend.state import list_states  # noqa: PLC0415 - the one listing (interrupted swaps recovered)
+
+            if args.resume_from not in list_states(Path(parsed.state_dir)):
+                raise InvalidInput("--resume-from", f"no saved state {args.resume_from!r} in {parsed.state_dir}")
     except InvalidInput as e:
         print(f"floe serve: error: {e}", file=sys.stderr)
         return 2
@@ -197,7 +204,14 @@ def serve_main(argv: list[str]) -> int:
 
     try:
         backend = Backend(backend_config)
-        resume = args.resume_from or (latest_state(Path(backend_config.state_dir)) if args.resume_latest else None)
+        resume = args.resume_from
+        if args.resume_latest:
+            from floe.backend.state import newest_intact_state  # noqa: PLC0415
+
+            resume, skipped = newest_intact_state(Path(backend_config.state_dir))
+            for name, why in skipped:
+                log.warning("skipped a damaged state", extra={"state": name, "reason": why})
+                print(f"floe serve: --resume-latest skipped the state {name!r}: {why}", file=sys.stderr)
         if resume:
             loaded = backend.load_state(resume)
             log.info("resumed", extra={"state": loaded.name, "step": loaded.step, "version": loaded.version})

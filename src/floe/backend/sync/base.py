@@ -7,10 +7,20 @@ put the zones there) and returns a `SyncReport`: the fingerprints the policy pub
 fingerprints the sampler(s) report holding afterwards, and the bytes moved. The coordinator
 then calls `verify` (published == received) and only then bumps the sampler version. Every
 method refuses non-finite weights (`check_publishable`) before anything moves; a failed check
-raises `StateError` and the version does not move.
+raises `StateError` and the version does not move. A sync that fails after the sampler started
+receiving leaves the sampler refusing to sample until a sync succeeds
+(`backend.sampler.SamplerZone`: no sample is stamped with a version its weights are not).
+
+Precision: the policy and the sampler's engine may hold different dtypes (an fp32 policy and a
+bf16 vLLM engine). Every method sends the policy's tensors cast to the dtypes the sampler
+holds (`SamplerWorker.held_dtypes`, `cast_for`), and the published fingerprints are those of
+the cast tensors, so `verify` compares what the engine holds with the published weights cast
+the same way (round to nearest even, as the engine's own copy would cast), and a bf16 engine
+gets half the bytes.
 
 A fingerprint (`floe.sampler.engine.fingerprint`, part of the engine contract) is the float64
-sum and sum of squares of one tensor.
+sum and sum of squares of one tensor. `WeightsSnapshot` and `Fingerprint` live in
+`backend.weights`, below both this module and the zone protocols (re-exported here).
 """
 
 from __future__ import annotations
@@ -19,33 +29,37 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from floe.backend.weights import Fingerprint, WeightsSnapshot, fingerprint, fingerprints
+from floe.backend.zones import PolicyWorker, SamplerWorker
 from floe.errors import StateError
-from floe.sampler.engine import Fingerprint, fingerprint, fingerprints
 
 __all__ = [
-    "Fingerprint", "SyncReport", "WeightSync", "WeightsSnapshot", "check_publishable", "fingerprint", "fingerprints",
-    "verify",
+    "Fingerprint", "SyncReport", "WeightSync", "WeightsSnapshot", "cast_for", "cast_tensors", "check_publishable",
+    "fingerprint", "fingerprints", "verify",
 ]
 
-if TYPE_CHECKING:
-    from floe.backend.zones import PolicyWorker, SamplerWorker
 
-@dataclass(frozen=True)
-class WeightsSnapshot:
-    """The policy's weights as published for a sync: plain tensors by state-dict name, their
-    fingerprints, and the optimizer step they come from."""
+def cast_tensors(tensors: Mapping[str, torch.Tensor], dtypes: Mapping[str, str]) -> dict[str, torch.Tensor]:
+    """`tensors` with each one cast to `dtypes[name]` (a dtype name; a copy only where the dtype
+    differs, the tensor itself otherwise; names without an entry are kept as they are)."""
+    out = {}
+    for name, t in tensors.items():
+        want = dtypes.get(name)
+        out[name] = t if want is None or str(t.dtype).removeprefix("torch.") == want else t.to(getattr(torch, want))
+    return out
 
-    tensors: dict[str, torch.Tensor]
-    fingerprints: dict[str, Fingerprint]
-    step: int
 
-    @property
-    def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+def cast_for(snapshot: WeightsSnapshot, dtypes: Mapping[str, str]) -> WeightsSnapshot:
+    """The snapshot as a sampler holding `dtypes` will hold it: tensors cast (`cast_tensors`),
+    fingerprints of the cast tensors (those not cast keep theirs)."""
+    tensors = cast_tensors(snapshot.tensors, dtypes)
+    prints = {name: snapshot.fingerprints[name] if t is snapshot.tensors[name] else fingerprint(t)
+              for name, t in tensors.items()}
+    return WeightsSnapshot(tensors, prints, snapshot.step)
+
 
 
 def check_publishable(snapshot: WeightsSnapshot) -> None:

@@ -1,14 +1,15 @@
 """In-place copy: the sync method when policy and sampler live in one process.
 
-The published tensors are the policy's own (no copy on the policy side); the sampler copies
-them into its existing tensors, so nothing is reallocated.
+The published tensors are the policy's own (no copy on the policy side, except a cast copy of
+each tensor whose dtype the sampler's engine holds differently, `base.cast_for`); the sampler
+copies them into its existing tensors, so nothing is reallocated.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from floe.backend.sync.base import SyncReport, WeightSync, check_publishable
+from floe.backend.sync.base import SyncReport, WeightSync, cast_for, check_publishable
 
 if TYPE_CHECKING:
     from floe.backend.zones import PolicyWorker, SamplerWorker
@@ -22,5 +23,7 @@ class InPlaceCopy(WeightSync):
     def sync(self, policy: PolicyWorker, sampler: SamplerWorker) -> SyncReport:
         snapshot = policy.publish()
         check_publishable(snapshot)
-        received = sampler.receive(snapshot.tensors)
-        return SyncReport(snapshot.fingerprints, received, snapshot.bytes)
+        sent = cast_for(snapshot, sampler.held_dtypes())
+        check_publishable(sent)  # a cast to a narrower dtype could overflow
+        received = sampler.receive(sent.tensors)
+        return SyncReport(sent.fingerprints, received, sent.bytes)

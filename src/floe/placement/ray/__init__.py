@@ -35,12 +35,12 @@ def build_ray(config: BackendConfig, tokenizer: PreTrainedTokenizerBase) -> Any:
         from floe.errors import InvalidInput  # noqa: PLC0415
 
         raise InvalidInput("placement.kind", "the Ray placement needs Ray: pip install 'floe-rl[ray]'") from None
-    from floe.placement import Zones  # noqa: PLC0415
     from floe.placement.ray import cluster  # noqa: PLC0415
     from floe.placement.ray.actors import PolicyRankHost, ReferenceHost, SamplerHost, remote_class  # noqa: PLC0415
     from floe.placement.ray.calls import PING_GROUPS, Call, gather, track, untrack  # noqa: PLC0415
     from floe.placement.ray.proxies import RayPolicy, RayReference, RaySamplerGroup  # noqa: PLC0415
     from floe.placement.ray.sync import RayBroadcastSync, RayObjectStoreSync  # noqa: PLC0415
+    from floe.placement.zones import Zones  # noqa: PLC0415
 
     placement = config.placement
     assert isinstance(placement, RayPlacement)

@@ -139,34 +139,41 @@ class PolicyRankHost(_GroupMember):
         assert self.reference is not None
         return self.reference.forward(*args)
 
-    def _buckets(self, bucket_bytes: int) -> Any:
+    def _buckets(self, bucket_bytes: int, dtypes: dict[str, str] | None) -> Any:
+        from floe.backend.sync.base import cast_tensors  # noqa: PLC0415
+
         for bucket in self.zone.full_tensor_buckets(bucket_bytes):
+            bucket = cast_tensors(bucket, dtypes or {})  # the dtypes the replicas hold
             if self.sync_backend == "gloo":
                 bucket = {k: v.cpu() for k, v in bucket.items()}
             yield bucket
 
-    def send_weights(self, bucket_bytes: int) -> tuple[dict[str, Any], int] | None:
+    def send_weights(self, bucket_bytes: int, dtypes: dict[str, str] | None = None) -> tuple[dict[str, Any], int] | None:
         """Broadcast sync, policy side (collective over the policy group; rank 0 also over the
-        sync group): the full tensors, bucket by bucket. Rank 0 returns (fingerprints, bytes)."""
+        sync group): the full tensors, cast to `dtypes` (what the replicas hold), bucket by
+        bucket. Rank 0 returns (fingerprints of the cast tensors, bytes)."""
         from floe.backend.sync.broadcast import send_weights  # noqa: PLC0415
 
         if self.rank == 0:
-            return send_weights(self.sync_group, 0, self._buckets(bucket_bytes))
+            return send_weights(self.sync_group, 0, self._buckets(bucket_bytes, dtypes))
         for _ in self.zone.full_tensor_buckets(bucket_bytes):
             pass  # the other ranks take part in every gather
         return None
 
-    def put_weights(self, bucket_bytes: int) -> tuple[list[Any], dict[str, Any], int] | None:
+    def put_weights(self, bucket_bytes: int, dtypes: dict[str, str] | None = None
+                    ) -> tuple[list[Any], dict[str, Any], int] | None:
         """Object-store sync, policy side (collective): rank 0 puts each bucket (plain CPU
-        tensors) into Ray's object store and returns (object refs, fingerprints, bytes)."""
+        tensors, cast to `dtypes`: what the replicas hold) into Ray's object store and returns
+        (object refs, fingerprints of the cast tensors, bytes)."""
         import ray  # noqa: PLC0415
 
-        from floe.backend.sync.base import fingerprints  # noqa: PLC0415
+        from floe.backend.sync.base import cast_tensors  # noqa: PLC0415
+        from floe.backend.weights import fingerprints  # noqa: PLC0415
 
         refs, prints, size = [], {}, 0
         for bucket in self.zone.full_tensor_buckets(bucket_bytes):
             if self.rank == 0:
-                bucket = {k: v.detach().cpu().contiguous() for k, v in bucket.items()}
+                bucket = {k: v.detach().cpu().contiguous() for k, v in cast_tensors(bucket, dtypes or {}).items()}
                 prints.update(fingerprints(bucket))
                 size += sum(t.numel() * t.element_size() for t in bucket.values())
                 refs.append(ray.put(bucket))

@@ -24,7 +24,7 @@ import torch
 
 from floe.backend.data_parallel import merge_forward, merge_forward_backward, split_batch
 from floe.backend.sampler import SamplerZone, merge_results, split_prompts
-from floe.backend.sync.base import Fingerprint, WeightsSnapshot
+from floe.backend.weights import Fingerprint, WeightsSnapshot
 from floe.compute.losses import LossSpec
 from floe.errors import FloeError, StateError, WorkerFailed
 from floe.placement.ray.calls import Call, gather, one
@@ -144,6 +144,7 @@ class RaySamplerGroup(SamplerZone):
         super().__init__(None, engine_name, seed)  # type: ignore[arg-type]
         self.replicas = replicas
         self.timeout_s = timeout_s
+        self._dtypes: dict[str, str] | None = None
 
     @property
     def model(self) -> Any:
@@ -164,6 +165,12 @@ class RaySamplerGroup(SamplerZone):
             for i, part in enumerate(parts)
         ]
         return merge_results(gather(calls, self.timeout_s))
+
+    def held_dtypes(self) -> dict[str, str]:
+        """The dtypes the replicas' engines hold (the same config everywhere: replica 0's, asked once)."""
+        if self._dtypes is None:
+            self._dtypes = one(Call("sampler", 0, self.replicas[0].call.remote("held_dtypes")), self.timeout_s)
+        return dict(self._dtypes)
 
     def receive(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, Fingerprint]:
         """Every replica takes `tensors` whole; StateError unless all report the same fingerprints."""

@@ -7,6 +7,10 @@ one bucket at a time, full on rank 0), and both check that every replica ends up
 what was published (`proxies.same_fingerprints`); the Backend then verifies published ==
 received and bumps the version.
 
+Precision: the buckets are cast on policy rank 0 to the dtypes the replicas' engines hold
+(`RaySamplerGroup.held_dtypes`, `backend.sync.cast_tensors`) and fingerprinted after the cast,
+so an fp32 policy syncs into bf16 engines (half the bytes) and verifies what they hold.
+
 * `RayBroadcastSync` (placement.sync = "broadcast"): rank 0 broadcasts each bucket over the
   sync group (policy rank 0 + every replica; NCCL on GPU, gloo on CPU) while the replicas
   receive (`backend.sync.broadcast`). Peak extra memory: one bucket (sync_bucket_mb) on the
@@ -52,7 +56,8 @@ class RayBroadcastSync(_RaySync):
 
     def sync(self, policy: Any, sampler: Any) -> SyncReport:
         policy, sampler = self._zones(policy, sampler)
-        sends = [Call("policy", i, r.send_weights.remote(self.bucket_bytes)) for i, r in enumerate(policy.ranks)]
+        dtypes = sampler.held_dtypes()
+        sends = [Call("policy", i, r.send_weights.remote(self.bucket_bytes, dtypes)) for i, r in enumerate(policy.ranks)]
         receives = [Call("sampler", i, r.receive_weights.remote()) for i, r in enumerate(sampler.replicas)]
         answers = gather(sends + receives, self.timeout_s)
         published, size = answers[0]
@@ -66,7 +71,8 @@ class RayObjectStoreSync(_RaySync):
 
     def sync(self, policy: Any, sampler: Any) -> SyncReport:
         policy, sampler = self._zones(policy, sampler)
-        puts = gather([Call("policy", i, r.put_weights.remote(self.bucket_bytes)) for i, r in enumerate(policy.ranks)],
+        dtypes = sampler.held_dtypes()
+        puts = gather([Call("policy", i, r.put_weights.remote(self.bucket_bytes, dtypes)) for i, r in enumerate(policy.ranks)],
                       self.timeout_s)
         refs, published, size = puts[0]
         takes = [Call("sampler", i, r.take_weights.remote(refs, self.timeout_s)) for i, r in enumerate(sampler.replicas)]

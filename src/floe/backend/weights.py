@@ -1,0 +1,34 @@
+"""What the zones say about weights when they cross a seam: fingerprints and the published snapshot.
+
+These types sit below both the zone protocols (`zones.py`, whose `PolicyWorker.publish` returns a
+`WeightsSnapshot` and whose `SamplerWorker.receive` answers fingerprints) and the weight-sync
+methods (`sync/`, which move snapshots between zones), so neither imports the other's module
+for them.
+
+A fingerprint (`floe.sampler.engine.fingerprint`, part of the engine contract) is the float64
+sum and sum of squares of one tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from floe.sampler.engine import Fingerprint, fingerprint, fingerprints
+
+__all__ = ["Fingerprint", "WeightsSnapshot", "fingerprint", "fingerprints"]
+
+
+@dataclass(frozen=True)
+class WeightsSnapshot:
+    """The policy's weights as published for a sync: plain tensors by state-dict name, their
+    fingerprints, and the optimizer step they come from."""
+
+    tensors: dict[str, torch.Tensor]
+    fingerprints: dict[str, Fingerprint]
+    step: int
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
