@@ -19,6 +19,7 @@ import datetime
 import difflib
 import json
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -123,6 +124,12 @@ def cmd_train(argv: list[str]) -> int:
     from floe.rl.plot import plot_run  # noqa: PLC0415
 
     trainer = Trainer(recipe, resume=opts.resume, progress=not opts.no_progress)
+
+    def on_ctrl_c(signum: int, frame: Any) -> None:
+        trainer.interrupted.set()  # kept even where the KeyboardInterrupt below is swallowed
+        signal.default_int_handler(signum, frame)
+
+    previous = signal.signal(signal.SIGINT, on_ctrl_c)
     try:
         summary = trainer.run()
     except KeyboardInterrupt:
@@ -134,6 +141,8 @@ def cmd_train(argv: list[str]) -> int:
                  else "no checkpoint yet, so --resume restarts it from step 0")
         print(f"floe train: interrupted at step {trainer.steps_done} ({where}); resume with: {again}", file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
     plots = plot_run(summary.run_dir)
     evals = summary.eval_rewards
     first, last = evals.get(0), evals.get(max(evals)) if evals else None

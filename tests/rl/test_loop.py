@@ -174,3 +174,22 @@ def test_resume_skips_a_damaged_last_checkpoint_for_the_newest_intact_one(recipe
     assert "damaged" in err and "policy.safetensors" in err
     assert [s for s, _ in _steps_and_rewards(run)] == [0, 1, 2, 3, 4, 5, 6]
     assert _steps_and_rewards(run) == _steps_and_rewards(Path(reference.run_dir))
+
+
+def test_an_interrupt_whose_keyboardinterrupt_was_swallowed_still_stops_the_run(recipe_file):
+    """Ctrl-C that lands in a finalizer loses its KeyboardInterrupt (Python prints "Exception
+    ignored" and goes on); the CLI's handler also sets Trainer.interrupted, and the step loop
+    stops at the next step boundary: nothing is trained after the interrupt."""
+    import floe
+    from floe.rl import Trainer
+    from floe.rl.warmstart import prepare_model
+
+    recipe, _ = load_recipe([recipe_file(steps=3, name="swallowed")])
+    client = floe.connect(recipe.backend_config(prepare_model(recipe)))
+    trainer = Trainer(recipe, progress=False)
+    trainer.interrupted.set()  # what the handler leaves behind when its KeyboardInterrupt is lost
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run(client)
+    assert trainer.steps_done == 0 and client.info().step == 0
+    assert [r["step"] for r in read_jsonl(Path(recipe.output.run_dir) / "metrics.jsonl")] == [0]
+    client.close()

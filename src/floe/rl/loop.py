@@ -68,6 +68,10 @@ class Trainer:
         # overwrite or resume each other's states.
         self._checkpoint_prefix = re.sub(r"[^A-Za-z0-9_.-]", "_", self.run_dir.resolve().name).lstrip(".") + "."
         self.steps_done = 0  # steps trained so far (the CLI reports it on Ctrl-C)
+        # Set by the CLI's Ctrl-C handler. The KeyboardInterrupt it also raises is lost when the
+        # signal lands in a finalizer or a GC callback (Python prints "Exception ignored" and goes
+        # on), so the step loop checks this too and stops at the next step boundary.
+        self.interrupted = threading.Event()
         self.checkpoint_step: int | None = None  # the step of the latest checkpoint, if any
         self._restart = False
         self._start_record: dict[str, Any] = {}  # the config_history.jsonl line of this start
@@ -236,6 +240,8 @@ class Trainer:
         producer.start()
         try:
             for i in range(done, tr.steps):
+                if self.interrupted.is_set():
+                    raise KeyboardInterrupt
                 item = rollouts.get()
                 if isinstance(item, BaseException):
                     raise item
