@@ -10,16 +10,17 @@ paths); bounds on numbers that depend on the model (context length) are the serv
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+import json
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from floe.backend.runs import AdamStep
 from floe.errors import InvalidInput
 from floe.server.bodies import parse_json_object
 
 __all__ = [
-    "MAX_METADATA_ITEMS", "CreateModel", "CreateSamplingSession", "CreateSession", "FutureRetrieve", "GetInfo",
+    "MAX_METADATA_BYTES", "MAX_METADATA_ITEMS", "CreateModel", "CreateSamplingSession", "CreateSession", "FutureRetrieve", "GetInfo",
     "LoadWeights", "OptimStep", "SaveWeights", "SaveWeightsExternal", "SaveWeightsForSampler", "SessionHeartbeat",
     "SetTtl", "WeightsInfo", "parse",
 ]
@@ -28,13 +29,35 @@ MAX_METADATA_ITEMS = 64  # keys of a user_metadata map
 MAX_TAGS = 64
 MAX_TTL_S = 10 * 365 * 86400  # the SDK's documented range: 1 hour to 10 years; the lower
 # bound is the server's ([server] tinker_min_ttl_s, TinkerService.check_ttl)
+# Every client-chosen value the registry keeps is bounded, so that no key can grow the shared
+# SQLite file without limit (the counts per key are store.Limits): a metadata map or tag list
+# is at most MAX_METADATA_BYTES as JSON, each tag or key at most MAX_TAG_CHARS.
+MAX_METADATA_BYTES = 16 * 1024
+MAX_TAG_CHARS = 256
+
+
 def _text() -> Any:
     return Field(max_length=1024)
 
 
 def _maybe_text() -> Any:
     return Field(None, max_length=1024)
-Metadata = dict[str, Any]
+
+
+def _small_json(value: Any) -> Any:
+    """`value` when its JSON is at most MAX_METADATA_BYTES (UTF-8); ValueError otherwise, which
+    `validated` turns into InvalidInput naming the field."""
+    size = len(json.dumps(value, ensure_ascii=False).encode())
+    if size > MAX_METADATA_BYTES:
+        raise ValueError(f"is {size} bytes as JSON; at most {MAX_METADATA_BYTES} (16 KiB) are kept per record: "
+                         "keep metadata to short labels, and large data in your own storage")
+    return value
+
+
+Key = Annotated[str, Field(max_length=MAX_TAG_CHARS)]
+Metadata = Annotated[dict[Key, Any], AfterValidator(_small_json)]
+StrMetadata = Annotated[dict[Key, str], AfterValidator(_small_json)]
+Tags = Annotated[list[Annotated[str, Field(max_length=MAX_TAG_CHARS)]], AfterValidator(_small_json)]
 
 
 class Strict(BaseModel):
@@ -42,7 +65,7 @@ class Strict(BaseModel):
 
 
 class CreateSession(Strict):
-    tags: list[str] = Field(default_factory=list, max_length=MAX_TAGS)
+    tags: Tags = Field(default_factory=list, max_length=MAX_TAGS)
     user_metadata: Metadata | None = Field(None, max_length=MAX_METADATA_ITEMS)
     sdk_version: str = Field("", max_length=64)
     project_id: str | None = Field(None, max_length=256)
@@ -109,7 +132,7 @@ class SaveWeights(Strict):
     seq_id: int | None = Field(None, ge=0, lt=2**63)
     ttl_seconds: int | None = Field(None, ge=1, le=MAX_TTL_S)
     overwrite: bool = False
-    user_metadata: dict[str, str] | None = Field(None, max_length=MAX_METADATA_ITEMS)
+    user_metadata: StrMetadata | None = Field(None, max_length=MAX_METADATA_ITEMS)
     type: Literal["save_weights"] = "save_weights"
 
 
@@ -120,7 +143,7 @@ class SaveWeightsForSampler(Strict):
     kind: Literal["snapshot", "inflight"] = "snapshot"
     seq_id: int | None = Field(None, ge=0, lt=2**63)
     ttl_seconds: int | None = Field(None, ge=1, le=MAX_TTL_S)
-    user_metadata: dict[str, str] | None = Field(None, max_length=MAX_METADATA_ITEMS)
+    user_metadata: StrMetadata | None = Field(None, max_length=MAX_METADATA_ITEMS)
     type: Literal["save_weights_for_sampler"] = "save_weights_for_sampler"
 
 
@@ -174,6 +197,8 @@ M = TypeVar("M", bound=BaseModel)
 def _field(loc: tuple[Any, ...]) -> str:
     out = ""
     for part in loc:
+        if isinstance(part, str) and len(part) > 40:  # a client's dict key: never echoed whole
+            part = part[:40] + "..."
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out or "body"
 
@@ -187,7 +212,7 @@ def validated(model: type[M], data: dict[str, Any]) -> M:
         field = _field(tuple(first.get("loc", ())))
         if first.get("type") == "extra_forbidden":
             raise InvalidInput(field, f"is not a field of this request (the tinker 0.38 SDK's {model.__name__})") from None
-        raise InvalidInput(field, str(first.get("msg", "invalid value"))) from None
+        raise InvalidInput(field, str(first.get("msg", "invalid value")).removeprefix("Value error, ")) from None
 
 
 def parse(model: type[M], body: bytes) -> M:

@@ -40,7 +40,7 @@ from floe.server.edge import principal_of
 from floe.server.errors import to_api_error
 from floe.server.protocols.tinker import requests as rq
 from floe.server.protocols.tinker.service import Bounds, TinkerService, _digest
-from floe.server.protocols.tinker.store import Limits, Store
+from floe.server.protocols.tinker.store import Checkpoint, Limits, Store
 from floe.server.state import ServerState
 
 log = logging.getLogger("floe.server.tinker")
@@ -48,6 +48,7 @@ log = logging.getLogger("floe.server.tinker")
 DOWNLOAD_PREFIX = "/api/v1/download/"
 URL_LIFETIME_S = 3600
 MAX_PAGE = 1000
+MAX_OFFSET = 10**9  # far beyond any listing a key can have (store.Limits), far within SQLite's integers
 
 
 def build_service(state: ServerState) -> TinkerService:
@@ -93,21 +94,37 @@ class _Signer:
                 fh.write(secrets.token_bytes(32))
         self._key = path.read_bytes()
 
-    def sign(self, target: str, expires: int) -> str:
-        return hmac.new(self._key, f"{target}\n{expires}".encode(), hashlib.sha256).hexdigest()
+    def sign(self, target: str, expires: int, identity: str) -> str:
+        """The signature of `target` until `expires`, bound to the checkpoint's `identity`
+        (`_identity`): a link to a checkpoint deleted and made again under the same name, by
+        anyone, does not serve the new one."""
+        return hmac.new(self._key, f"{target}\n{expires}\n{identity}".encode(), hashlib.sha256).hexdigest()
 
-    def check(self, target: str, expires: str, signature: str) -> None:
-        if not expires.isdigit() or int(expires) < time.time() or not hmac.compare_digest(
-                self.sign(target, int(expires)), signature):
-            raise NotFound("sig", "this download link is wrong or has expired; ask for new links")
+    def check(self, target: str, expires: str, signature: str, identity: str | None) -> None:
+        """NotFound unless the link is well-formed, unexpired and signed for the checkpoint the
+        registry holds now (`identity`; None: it has none, deleted or expired)."""
+        gone = NotFound("sig", "this download link is wrong or has expired, or its checkpoint no longer exists; "
+                        "ask for new links")
+        if not (expires.isascii() and expires.isdigit() and len(expires) <= 12) or int(expires) < time.time():
+            raise gone
+        if identity is None or not hmac.compare_digest(self.sign(target, int(expires), identity), signature):
+            raise gone
+
+
+def _identity(ckpt: Checkpoint) -> str:
+    """What tells one checkpoint from another made later under the same path: its owner and
+    creation time (a re-created checkpoint gets a new one)."""
+    return f"{ckpt.owner}\n{ckpt.created!r}"
 
 
 def _page(request: Request, default_limit: int) -> tuple[int, int]:
     out = []
     for name, default in (("offset", 0), ("limit", default_limit)):
         raw = request.query_params.get(name, str(default))
-        if not raw.isdigit() or (name == "limit" and not 1 <= int(raw) <= MAX_PAGE):
-            raise InvalidInput(name, f"must be an integer{' in [1, 1000]' if name == 'limit' else ' >= 0'}, got {raw[:40]!r}")
+        low, high = (1, MAX_PAGE) if name == "limit" else (0, MAX_OFFSET)
+        # isascii: str.isdigit() also takes '²' and '٣', which int() refuses or reads as another number
+        if not (raw.isascii() and raw.isdigit() and len(raw) <= 12) or not low <= int(raw) <= high:
+            raise InvalidInput(name, f"must be a decimal integer in [{low}, {high}], got {raw[:40]!r}")
         out.append(int(raw))
     scope = request.query_params.get("access_scope", "owned")
     if scope not in ("owned", "accessible"):
@@ -118,9 +135,11 @@ def _page(request: Request, default_limit: int) -> tuple[int, int]:
 def _scrubbing_route(service: TinkerService) -> type[APIRoute]:
     """A route class for how the Tinker routes answer what they raise (a FloeError, or anything
     unexpected): floe's error body, with `service.scrub` applied (no server path, as in the
-    answers of futures: TinkerService.failure), and a StateError as 400, not 409 (a seq_id reused for other data stays 409): the tinker SDK
-    retries a 409 (a lock timeout, to it) ten times with backoff, and model-touching calls for
-    five minutes, so a final refusal would reach the user a minute or more late."""
+    answers of futures: TinkerService.failure), and every 409 as 400 (a StateError, and a seq_id
+    reused for other data, `sequence_reused`, which keeps its error code): the tinker SDK retries
+    a 409 (a lock timeout, to it: `_base_client._should_retry`, `retry_handler`) ten times with
+    backoff, and model-touching calls for five minutes, so a final refusal would reach the user
+    a minute or more late."""
 
     class ScrubbedRoute(APIRoute):
         def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
@@ -133,7 +152,7 @@ def _scrubbing_route(service: TinkerService) -> type[APIRoute]:
                     error = to_api_error(exc)
                     if error.status >= 500:
                         log.exception("tinker route failed", exc_info=exc)
-                    if error.status == 409 and error.error == "state_error":  # not a reused seq_id's 409
+                    if error.status == 409:  # never 409 on Tinker routes: the SDK would retry it
                         error.status = 400
                     error.message = service.scrub(error.message)
                     raise error from None
@@ -311,13 +330,18 @@ def tinker_router(state: ServerState) -> APIRouter:
         urls = {}
         for f in files:
             target = f"{ckpt.run_id}/{ckpt.kind}/{ckpt.name}/{f}"
-            urls[f] = f"{base}{DOWNLOAD_PREFIX}{target}?expires={expires}&sig={signer.sign(target, expires)}"
+            urls[f] = f"{base}{DOWNLOAD_PREFIX}{target}?expires={expires}&sig={signer.sign(target, expires, _identity(ckpt))}"
         return {"urls": urls, "expires": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(expires))}
 
     @router.get("/download/{run_id}/{kind}/{name}/{file:path}")
     async def download(run_id: str, kind: str, name: str, file: str, request: Request) -> Response:
         target = f"{run_id}/{kind}/{name}/{file}"
-        signer.check(target, request.query_params.get("expires", ""), request.query_params.get("sig", ""))
+        # The registry, not only the signature: a deleted or expired checkpoint is gone from
+        # downloads at once, as from listings (its files wait for the next sweep).
+        ckpt = await run_in_threadpool(service.store.find_checkpoint, run_id, kind, name)
+        live = ckpt is not None and (ckpt.expires is None or ckpt.expires > time.time())
+        signer.check(target, request.query_params.get("expires", ""), request.query_params.get("sig", ""),
+                     _identity(ckpt) if live and ckpt is not None else None)
         directory = service.layout.checkpoint(run_id, kind, name, field="path")
         path = path_under(directory, *file.split("/"), field="path")
         if not path.is_file():

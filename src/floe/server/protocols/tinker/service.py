@@ -175,8 +175,9 @@ class TinkerService:
         self._end_session(self.store.session(session_id, who))
 
     def _end_session(self, session: SessionRow) -> None:
-        """The session's runs and samplers leave memory and disk (checkpoints stay)."""
-        self.store.finish_session(session.id)
+        """The session's runs and samplers leave memory and disk (checkpoints stay); its runs
+        without a checkpoint leave the registry too (`_forget_unused`)."""
+        self.store.finish_session(session.id, time.time())
         self.stability.drop_session(session.id)
         for row in self.store.session_samplers(session.id):
             self.residency.drop_sampler(row)
@@ -188,6 +189,7 @@ class TinkerService:
             self.residency.drop_run(run.id, run.base)
             if run.status in ("live", "offloaded"):
                 self.store.update_run(run.id, status="closed")
+        self._forget_unused()
 
     def get_session(self, who: Principal, session_id: str) -> dict[str, Any]:
         session = self.store.session(session_id, who)
@@ -220,6 +222,16 @@ class TinkerService:
         for ckpt in self.store.expired_checkpoints(now):
             self._delete_checkpoint_files(ckpt)
             self.store.remove_checkpoint(ckpt)
+        # A finished session's id answers 410 / "has finished" for one more timeout, then goes.
+        self.store.forget_finished_sessions(now - self.bounds.session_timeout_s)
+        self._forget_unused()
+
+    def _forget_unused(self) -> None:
+        """Runs that can never train again and hold no checkpoint leave the registry and the
+        disk (store.forget_unused_runs): a key's registry stays bounded by its limits (a
+        `tinker checkpoint download` export run goes when the CLI closes its session)."""
+        for run_id in self.store.forget_unused_runs():
+            shutil.rmtree(self.layout.run_dir(run_id), ignore_errors=True)
 
     def close(self) -> None:
         """Shutdown: offload every run (a restart continues them), stop the workers."""
@@ -642,6 +654,7 @@ class TinkerService:
         ckpt = self._owned_checkpoint(who, run_id, checkpoint_id)
         self._delete_checkpoint_files(ckpt)
         self.store.remove_checkpoint(ckpt)
+        self._forget_unused()  # a closed run's last checkpoint: the run goes with it
 
     def publish(self, who: Principal, run_id: str, checkpoint_id: str, public: bool) -> None:
         ckpt = self._owned_checkpoint(who, run_id, checkpoint_id)

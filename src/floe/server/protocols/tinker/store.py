@@ -7,7 +7,11 @@ Access goes through one place: every lookup takes the asking `Principal` and ans
 it may see (`Principal.may_see`: its own rows, and checkpoints their owner published) or change
 (`may_change`: its own); anything else is `NotFound`, the same answer as for an id that does not
 exist, so a tenant cannot learn another's ids. Counts per owner are bounded here
-(`Limits`), before anything is created.
+(`Limits`), before anything is created, and nothing stays for good unless it is in use: a
+finished session keeps only its id (its metadata is cleared at once) and goes after a grace
+period (`forget_finished_sessions`); a run that is closed or lost goes once it has no
+checkpoint and no open session (`forget_unused_runs`). So the registry of a key is bounded by
+its limits, not by how long it has been used.
 
 Times are Unix seconds (float). JSON columns hold dicts / lists.
 """
@@ -33,6 +37,8 @@ __all__ = ["CHECKPOINT_KINDS", "Checkpoint", "Layout", "Limits", "NotFound", "Ru
 
 # The path segment of each checkpoint kind, as in tinker://<run>/<segment>/<name>.
 CHECKPOINT_KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
+# The run statuses that hold a place under Limits.runs (SQL tuple): a run that may still train.
+OPEN_RUN_STATUSES = "('creating', 'live', 'offloaded')"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -62,7 +68,7 @@ class Limits:
     """Counts per owner, checked before a row is created (`[server] tinker_max_*`)."""
 
     sessions: int = 64  # open (not finished) sessions
-    runs: int = 1000  # training runs ever made, kept in the registry
+    runs: int = 1000  # open training runs (creating, live or offloaded): closing a session frees its runs
     checkpoints: int = 5000
     samplers_per_session: int = 4096
 
@@ -254,9 +260,20 @@ class Store:
         with self._tx() as db:
             db.execute("UPDATE sessions SET last_seen = ? WHERE id = ?", (now, session_id))
 
-    def finish_session(self, session_id: str) -> None:
+    def finish_session(self, session_id: str, now: float) -> None:
+        """Mark the session finished at `now` and drop what a client put in it (tags, metadata,
+        names): only its id stays, for the grace period of `forget_finished_sessions`, so that
+        the SDK's heartbeat hears 410 (finished) and stops, and a late request gets the clear
+        "has finished" refusal instead of "no session"."""
         with self._tx() as db:
-            db.execute("UPDATE sessions SET finished = 1 WHERE id = ?", (session_id,))
+            db.execute("UPDATE sessions SET finished = 1, tags = '[]', user_metadata = '{}', display_name = NULL, "
+                       "project_id = NULL, last_seen = ? WHERE id = ?", (now, session_id))
+
+    def forget_finished_sessions(self, before: float) -> int:
+        """Delete the sessions that finished before `before`; their runs keep listing (a run row
+        stands on its own). The number deleted."""
+        with self._tx() as db:
+            return db.execute("DELETE FROM sessions WHERE finished = 1 AND last_seen < ?", (before,)).rowcount
 
     def idle_sessions(self, before: float) -> list[str]:
         """Open sessions whose last heartbeat or request is older than `before`."""
@@ -268,9 +285,12 @@ class Store:
         with self._tx() as db:
             if db.execute("SELECT 1 FROM runs WHERE id = ?", (row.id,)).fetchone() is not None:
                 raise InvalidInput("model_id", f"a training run {row.id!r} exists already")
-            (count,) = db.execute("SELECT COUNT(*) FROM runs WHERE owner = ?", (row.owner,)).fetchone()
+            (count,) = db.execute(f"SELECT COUNT(*) FROM runs WHERE owner = ? AND status IN {OPEN_RUN_STATUSES}",
+                                  (row.owner,)).fetchone()
             if count >= self.limits.runs:
-                raise StateError(f"this key has {count} training runs, the server's limit ([server] tinker_max_runs)")
+                raise StateError(f"this key has {count} open training runs, the server's limit ([server] "
+                                 "tinker_max_runs); close() ServiceClients you no longer train with (their runs "
+                                 "close, their checkpoints stay), or wait for idle sessions to expire")
             db.execute("INSERT INTO runs VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", (
                 row.id, row.owner, row.session_id, row.base_model, row.base, None if row.lora is None else json.dumps(row.lora),
                 json.dumps(row.user_metadata), row.created, row.last_request, row.status, row.next_seq, row.version))
@@ -311,6 +331,18 @@ class Store:
         sets = ", ".join(f"{k} = ?" for k in encoded)
         with self._tx() as db:
             db.execute(f"UPDATE runs SET {sets} WHERE id = ?", (*encoded.values(), run_id))
+
+    def forget_unused_runs(self) -> list[str]:
+        """Delete the runs that can never be used again and hold nothing: closed or lost, with no
+        checkpoint, and no open session (a lost run's open session still hears why its run is
+        gone). The ids deleted (the caller removes their directories)."""
+        unused = (f"status NOT IN {OPEN_RUN_STATUSES} AND NOT EXISTS (SELECT 1 FROM checkpoints c WHERE "
+                  "c.run_id = runs.id) AND NOT EXISTS (SELECT 1 FROM sessions s WHERE s.id = runs.session_id AND "
+                  "s.finished = 0)")
+        with self._tx() as db:
+            ids = [r[0] for r in db.execute(f"SELECT id FROM runs WHERE {unused}").fetchall()]
+            db.execute(f"DELETE FROM runs WHERE {unused}")
+        return ids
 
     def remove_run(self, run_id: str) -> None:
         """Forget a run that never started (its create failed)."""
