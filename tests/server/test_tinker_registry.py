@@ -117,13 +117,13 @@ def test_a_download_link_serves_only_the_checkpoint_it_was_made_for(start_server
 
     old = export(1)
     assert old and all(httpx.get(u).status_code == 200 for u in old.values())
-    broken = next(iter(old.values())).replace("expires=", "expires=\u00b2")
-    assert httpx.get(broken).status_code == 404  # not a 500
     assert alice.http.delete(f"/training_runs/{run}/checkpoints/external_weights/e").status_code == 200
     assert all(httpx.get(u).status_code == 404 for u in old.values())
     new = export(2)  # made again under the same name: the old links stay dead, the new ones work
     assert all(httpx.get(u).status_code == 404 for u in old.values())
     assert all(httpx.get(u).status_code == 200 for u in new.values())
+    broken = next(iter(new.values())).replace("expires=", "expires=\u00b2")
+    assert httpx.get(broken).status_code == 404  # not a 500
 
 
 def test_a_reused_seq_id_is_refused_with_400_not_the_409_the_sdk_retries(start_server, server_model: Path) -> None:
