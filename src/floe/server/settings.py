@@ -55,7 +55,8 @@ class ServerConfig(StrictModel):
     tinker_max_live_bases: int = Field(2, ge=1, description="base models kept in memory (their runs and samplers "
                                        "leave with them)")
     tinker_max_sessions: int = Field(64, ge=1, description="open Tinker sessions per key")
-    tinker_max_runs: int = Field(1000, ge=1, description="Tinker training runs per key (kept in the registry)")
+    tinker_max_runs: int = Field(1000, ge=1, description="open Tinker training runs per key (a finished "
+                                 "session's runs do not count)")
     tinker_max_checkpoints: int = Field(5000, ge=1, description="Tinker checkpoints per key")
     tinker_max_samplers_per_session: int = Field(4096, ge=1, description="samplers per Tinker session")
     tinker_max_samples_per_request: int = Field(1024, ge=1, description="num_samples of one Tinker sample request")
