@@ -152,7 +152,7 @@ class SaveWeightsExternal(Strict):
     path: str = _text()
     seq_id: int | None = Field(None, ge=0, lt=2**63)
     ttl_seconds: int | None = Field(None, ge=1, le=MAX_TTL_S)
-    age_encryption_recipients: list[str] | None = None
+    age_encryption_recipients: list[Annotated[str, Field(max_length=MAX_TAG_CHARS)]] | None = Field(None, max_length=16)
     type: Literal["save_weights_external"] = "save_weights_external"
 
 
