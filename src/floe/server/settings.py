@@ -58,6 +58,9 @@ class ServerConfig(StrictModel):
     tinker_max_runs: int = Field(1000, ge=1, description="Tinker training runs per key (kept in the registry)")
     tinker_max_checkpoints: int = Field(5000, ge=1, description="Tinker checkpoints per key")
     tinker_max_samplers_per_session: int = Field(4096, ge=1, description="samplers per Tinker session")
+    tinker_max_queued_per_key: int = Field(
+        256, ge=1, description="Tinker requests one key may have accepted but not started (waiting for a worker or "
+        "for their seq_id's turn); past it a request is refused with 429, which the tinker SDK waits on and resends")
     tinker_max_samples_per_request: int = Field(1024, ge=1, description="num_samples of one Tinker sample request")
     tinker_max_sampled_tokens_per_request: int = Field(
         1 << 20, ge=1, description="num_samples x max_tokens of one Tinker sample request")

@@ -5,7 +5,16 @@ on a worker thread and its reply (status, body, media type, headers) is stored u
 until `retrieve_future` collects it. A future belongs to the principal that made it: another
 one's `retrieve_future` finds nothing (404). `wait` long-polls on the event loop (no thread
 held) up to a bound the SDK's 45 s read timeout never reaches. The last `max_per_owner` replies
-of each principal are kept (a retried retrieve gets the same answer), `max_entries` in all.
+of each principal are kept (a retried retrieve gets the same answer), `max_entries` in all; a
+future whose job has not finished is never dropped (its reply would be lost while its work runs).
+
+Fair scheduling: the workers are shared by every principal, so jobs wait in one queue per owner
+and a free worker takes the next job round-robin over the owners with work waiting (each
+owner's jobs in their order). One key's backlog then delays another key's request by about one
+job per worker, not by the whole backlog. `admit` bounds the jobs an owner has accepted but not
+started (queued here or waiting in a `Sequencer` for their turn): past `max_queued_per_owner` a
+request is refused before any work with 429 `too_many_requests`, which the tinker SDK treats as
+back-pressure (a sampling client pauses a second and sends again; other calls retry with backoff).
 
 `Sequencer`: one per training run. Requests carry the client's `seq_id` (1, 2, ... per
 TrainingClient); each runs only after every smaller one, so the chunks of a forward_backward
@@ -18,13 +27,15 @@ it is refused (409 `sequence_reused`): answering the old result would silently d
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from floe.errors import StateError
 from floe.server.errors import ApiError
 
 
@@ -43,16 +54,71 @@ class _Entry:
         self.waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
 
 
-class Futures:
-    """request_id -> reply, filled by worker threads, awaited by retrieve_future."""
+QUEUE_SETTING = "[server] tinker_max_queued_per_key"
 
-    def __init__(self, workers: int = 8, max_entries: int = 20000, max_per_owner: int = 4096):
+
+class Futures:
+    """request_id -> reply, filled by worker threads, awaited by retrieve_future; the workers take
+    jobs round-robin over their owners (see the module docstring)."""
+
+    def __init__(self, workers: int = 8, max_entries: int = 20000, max_per_owner: int = 4096,
+                 max_queued_per_owner: int = 256):
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._by_owner: dict[str, deque[str]] = {}
         self._lock = threading.Lock()
         self._max = max_entries
         self._max_per_owner = max_per_owner
+        self.max_queued_per_owner = max_queued_per_owner
+        self._queued: dict[str, int] = {}  # owner -> admitted jobs not started yet
+        self._jobs: OrderedDict[str, deque[Callable[[], None]]] = OrderedDict()  # owners with jobs waiting, in turn
         self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="floe-tinker")
+
+    # -- admission and fair scheduling -----------------------------------------------------------
+
+    def admit(self, owner: str) -> None:
+        """Count one more accepted, not yet started job of `owner` (`started` or `release` takes
+        it back); ApiError 429 when the owner has `max_queued_per_owner` already."""
+        with self._lock:
+            queued = self._queued.get(owner, 0)
+            if queued >= self.max_queued_per_owner:
+                raise ApiError(429, "too_many_requests", f"this key has {queued} requests waiting to start, the "
+                               f"server's limit ({QUEUE_SETTING}); wait for their results before sending more "
+                               "(the tinker SDK waits and sends again by itself)")
+            self._queued[owner] = queued + 1
+
+    def release(self, owner: str) -> None:
+        """An admitted job that will not start (or has just started) no longer counts."""
+        with self._lock:
+            left = self._queued.get(owner, 0) - 1
+            if left > 0:
+                self._queued[owner] = left
+            else:
+                self._queued.pop(owner, None)
+
+    def queued(self, owner: str) -> int:
+        """`owner`'s admitted jobs not started yet."""
+        with self._lock:
+            return self._queued.get(owner, 0)
+
+    def schedule(self, owner: str, work: Callable[[], None]) -> None:
+        """Run `work` on a worker when `owner`'s turn comes (after `owner`'s earlier work)."""
+        with self._lock:
+            self._jobs.setdefault(owner, deque()).append(work)
+        self.executor.submit(self._next)
+
+    def _next(self) -> None:
+        # One `_next` is submitted per scheduled job, so there is always a job to take: the first
+        # owner in turn's oldest one; that owner goes to the back of the turn if it has more.
+        with self._lock:
+            owner, mine = next(iter(self._jobs.items()))
+            work = mine.popleft()
+            if mine:
+                self._jobs.move_to_end(owner)
+            else:
+                del self._jobs[owner]
+        work()
+
+    # -- futures ---------------------------------------------------------------------------------
 
     def new(self, owner: str) -> str:
         rid = uuid.uuid4().hex
@@ -60,14 +126,32 @@ class Futures:
             self._entries[rid] = _Entry(owner)
             mine = self._by_owner.setdefault(owner, deque())
             mine.append(rid)
-            while len(mine) > self._max_per_owner:
-                self._entries.pop(mine.popleft(), None)
-            while len(self._entries) > self._max:
-                old, entry = self._entries.popitem(last=False)
-                with_owner = self._by_owner.get(entry.owner)
-                if with_owner and with_owner[0] == old:
-                    with_owner.popleft()
+            if len(mine) > self._max_per_owner:
+                self._drop_done(mine, len(mine) - self._max_per_owner)
+            if len(self._entries) > self._max:
+                victims = [r for r, _ in zip(self._done_ids(), range(len(self._entries) - self._max))]
+                for old in victims:
+                    entry = self._entries.pop(old)
+                    with_owner = self._by_owner.get(entry.owner)
+                    if with_owner is not None:
+                        with_owner.remove(old)
         return rid
+
+    def _drop_done(self, mine: deque[str], count: int) -> None:
+        """Drop the oldest `count` finished futures of one owner (pending ones stay, in order)."""
+        kept: list[str] = []
+        while count and mine:
+            old = mine.popleft()
+            entry = self._entries.get(old)
+            if entry is not None and entry.reply is None:
+                kept.append(old)
+                continue
+            self._entries.pop(old, None)
+            count -= 1
+        mine.extendleft(reversed(kept))
+
+    def _done_ids(self) -> Iterator[str]:
+        return (rid for rid, entry in self._entries.items() if entry.reply is not None)
 
     def known(self, rid: str, owner: str) -> bool:
         with self._lock:
@@ -84,9 +168,14 @@ class Futures:
         for loop, event in waiters:
             loop.call_soon_threadsafe(event.set)
 
-    def run(self, rid: str, job: Callable[[], Reply]) -> None:
-        """Run `job` on a worker thread and store its reply under `rid`."""
-        self.executor.submit(lambda: self.complete(rid, job()))
+    def run(self, rid: str, owner: str, job: Callable[[], Reply]) -> None:
+        """Run `job` (admitted for `owner`) on a worker in `owner`'s turn; store its reply under `rid`."""
+
+        def work() -> None:
+            self.release(owner)
+            self.complete(rid, job())
+
+        self.schedule(owner, work)
 
     async def wait(self, rid: str, timeout_s: float) -> Reply | None:
         """The reply, waiting up to `timeout_s`; None when it is not ready yet."""
@@ -125,14 +214,18 @@ class Sequencer:
         self.late: list[tuple[str, Callable[[], Reply]]] = []
         self.seen: OrderedDict[int, tuple[str, bytes]] = OrderedDict()  # seq_id -> (request_id, body digest)
         self.running = False
+        self.closed = False
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
 
     def submit(self, seq_id: int | None, job: Callable[[], Reply], digest: bytes = b"") -> str:
         """The request_id of `job` at `seq_id` (the earlier one for a re-sent seq_id with the same
-        `digest`; ApiError 409 for one with another). A request without a seq_id, or one whose turn
-        was skipped, runs as soon as the run is free."""
+        `digest`; ApiError 409 for one with another; ApiError 429 past the owner's bound on queued
+        work, `Futures.admit`). A request without a seq_id, or one whose turn was skipped, runs as
+        soon as the run is free."""
         with self._lock:
+            if self.closed:
+                raise StateError("this training run was closed (its session ended); start a new one")
             if seq_id is not None and seq_id in self.seen:
                 rid, before = self.seen[seq_id]
                 if before != digest:
@@ -140,6 +233,9 @@ class Sequencer:
                                    "another request; a retry must resend the same request, a new request needs the "
                                    "next seq_id", "seq_id")
                 return rid
+            # Counted until it starts: a request waiting for its turn (a gapped seq_id holds its
+            # parsed body until the gap timeout) is queued work like one waiting for a worker.
+            self.futures.admit(self.owner)
             rid = self.futures.new(self.owner)
             if seq_id is not None:
                 self.seen[seq_id] = (rid, digest)
@@ -154,7 +250,7 @@ class Sequencer:
 
     def _pump(self) -> None:
         with self._lock:
-            if self.running:
+            if self.running or self.closed:
                 return
             if self.late:
                 rid, job = self.late.pop(0)
@@ -172,9 +268,10 @@ class Sequencer:
                     self._timer.start()
                 return
             self.running = True
-        self.futures.executor.submit(self._run, rid, job, advance)
+        self.futures.schedule(self.owner, lambda: self._run(rid, job, advance))
 
     def _run(self, rid: str, job: Callable[[], Reply], advance: bool) -> None:
+        self.futures.release(self.owner)
         try:
             reply = job()
         except BaseException as exc:  # noqa: BLE001 - answered to the caller (jobs answer their own errors first)
@@ -200,8 +297,18 @@ class Sequencer:
                 self.next_seq = min(self.pending)
         self._pump()
 
-    def close(self) -> None:
+    def close(self, reason: str = "the training run was closed (its session ended)") -> None:
+        """No more requests run: the waiting ones fail with `reason` (a user error) and stop counting
+        against the owner's queued work."""
         with self._lock:
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
+            waiting = [rid for rid, _ in self.late] + [rid for rid, _ in self.pending.values()]
+            self.late.clear()
+            self.pending.clear()
+            self.closed = True  # nothing starts after this
+        body = json.dumps({"error": reason, "category": "user"}).encode()
+        for rid in waiting:
+            self.futures.release(self.owner)
+            self.futures.complete(rid, Reply(200, body, "application/json"))

@@ -79,6 +79,7 @@ class Bounds:
     gap_timeout_s: float = 30.0
     min_ttl_s: int = 3600  # the shortest checkpoint ttl_seconds ([server] tinker_min_ttl_s)
     stability_tokens: int = 1 << 23  # recorded tokens of stability info per key (stability.py)
+    queued_per_key: int = 256  # requests a key has accepted but not started ([server] tinker_max_queued_per_key)
 
 
 class TinkerService:
@@ -95,7 +96,7 @@ class TinkerService:
         self.full_finetune = full_finetune
         self.layout = Layout(root)
         self.store = store
-        self.futures = Futures()
+        self.futures = Futures(max_queued_per_owner=bounds.queued_per_key)
         self.stability = StabilityRecords(bounds.stability_tokens)
         self.sequencers: dict[str, Sequencer] = {}
         self._seq_lock = threading.Lock()
@@ -560,6 +561,7 @@ class TinkerService:
             params = replace(params, top_logprobs=call.topk_sample)
         if call.alt_k and params.seed is None:  # one seed for the samples and the alternative draws
             params = replace(params, seed=manager.draw_seed())
+        self.futures.admit(who.id)  # 429 past the key's bound on queued work, before any work
         rid = self.futures.new(who.id)
 
         def job() -> Reply:
@@ -581,7 +583,7 @@ class TinkerService:
             return Reply(200, convert.sample_output(group, call, prompt_lp, scores), PROTO,
                          {VERSION_HEADER: str(info.version)})
 
-        self.futures.run(rid, self.guarded(job))
+        self.futures.run(rid, who.id, self.guarded(job))
         return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(num)]}
 
     # -- runs and checkpoints (REST) ----------------------------------------------------------
