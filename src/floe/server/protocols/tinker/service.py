@@ -47,7 +47,7 @@ from typing import Any
 from floe.backend.runs import RunManager
 from floe.backend.state import read_meta
 from floe.compute.losses import TokenInputs, compute_loss, resolve_loss
-from floe.errors import FloeError, InvalidInput, StateError
+from floe.errors import FloeError, InvalidInput, NotFound, StateError
 from floe.models.lora import LoraSpec
 from floe.names import check_name
 from floe.server.principals import Principal
@@ -539,7 +539,30 @@ class TinkerService:
     def _sampler(self, who: Principal, sampler_id: Any) -> SamplerRow:
         row = self.store.sampler(sampler_id, who)
         self._open_session(who, row.session_id)
+        self._check_source(who, row)
         return row
+
+    def _check_source(self, who: Principal, row: SamplerRow) -> None:
+        """A sampler made from a checkpoint (`model_path`) is bound to that checkpoint record: it
+        samples only while `who` may still load it, checked at every request and again when the
+        work starts (and so before its weights are loaded back from disk). Once the checkpoint is
+        deleted, replaced by a newer one of the same name (`created` after the sampler), expired,
+        or (for another key) unpublished, the sampler is released and answers 404 like an unknown
+        one. That holds for the owner's own sampler too: its weights are gone from disk."""
+        if row.kind != "checkpoint" or row.model_path is None:
+            return
+        try:
+            ckpt = self.store.checkpoint(row.model_path, who, field="sampling_session_id")
+            current = ckpt.created <= row.created
+        except NotFound:
+            current = False
+        if current:
+            return
+        self.store.remove_sampler(row.id)
+        self.residency.drop_sampler(row)
+        raise NotFound("sampling_session_id", f"no sampler {row.id!r} for this key: a sampler made from a checkpoint "
+                       "ends when the checkpoint is deleted, replaced, expires or stops being published; create a "
+                       "new sampling client from a checkpoint this key may load")
 
     def asample(self, who: Principal, body: dict[str, Any]) -> dict[str, Any]:
         num = convert.num_samples(body.get("num_samples", 1))
@@ -565,6 +588,7 @@ class TinkerService:
         rid = self.futures.new(who.id)
 
         def job() -> Reply:
+            self._check_source(who, row)  # still allowed now that its turn came (a revoke in between)
             with self.residency.sampler(row) as (held, info):
                 group = held.sample(info, call.prompt, call.num_samples, params)
                 if call.record_stability:  # before the reply: a client learns the ids from it
