@@ -324,6 +324,7 @@ class TinkerService:
         except Exception as exc:  # noqa: BLE001 - any decode failure is the client's bad body
             raise InvalidInput("body", f"not a ForwardBackwardRequest protobuf: {type(exc).__name__}") from None
         row = self._run(who, request.model_id)
+        convert.check_forward_tokens(request, self.bases[row.base].vocab_size)  # refused now, not in the future
         forward_only = request.forward_only
 
         def job() -> Reply:
