@@ -188,6 +188,19 @@ def test_workers_take_jobs_round_robin_over_owners_and_bound_each_owners_queue()
     futures.close()
 
 
+def test_a_seq_id_refused_before_it_was_queued_does_not_hold_up_the_next() -> None:
+    futures = Futures(workers=1)
+    seq = Sequencer(futures, "alice", gap_timeout_s=30)
+    order: list[int] = []
+    rid = seq.submit(2, _recorder(order, 2))
+    seq.skip(1)
+    _wait(futures, [rid])
+    assert order == [2]
+    seq.skip(10**9)  # far ahead: not recorded (the set stays bounded)
+    assert seq.skipped == set()
+    futures.close()
+
+
 def test_a_gapped_seq_id_counts_as_queued_work_and_closing_releases_it() -> None:
     futures = Futures(workers=1, max_queued_per_owner=3)
     seq = Sequencer(futures, "alice", gap_timeout_s=30)

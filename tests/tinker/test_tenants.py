@@ -27,10 +27,12 @@ def _post(client: httpx.Client, key: str, path: str, body: dict | bytes) -> http
     return client.post(f"/api/v1/{path}", json=body, headers={"X-API-Key": key})
 
 
-def _answer(client: httpx.Client, key: str, request_id: str) -> httpx.Response:
-    """retrieve_future polled until it answers (not 408 try_again)."""
+def _answer(client: httpx.Client, key: str, request_id: str, polls: int | None = None) -> httpx.Response:
+    """retrieve_future polled until it answers (not 408 try_again), at most `polls` times."""
     while (r := _post(client, key, "retrieve_future", {"request_id": request_id})).status_code == 408:
-        pass
+        if polls is not None:
+            polls -= 1
+            assert polls > 0, "no answer: the request is still waiting"
     return r
 
 
@@ -189,8 +191,9 @@ def test_token_ids_outside_the_vocabulary_are_refused_at_once_naming_the_request
                                                                                         tinker_model: Path) -> None:
     """A token id outside the base model's vocabulary (prompt, stop, a datum's input or target)
     is decidable from the request: 422 invalid_input at once, naming the field as the SDK sends
-    it; nothing is queued, so the run's next seq_id still works."""
-    server = tinker_server()
+    it; nothing is queued, and a refused forward_backward's seq_id passes (the SDK sends the next
+    one; the gap timeout here is 600 s, so waiting for it would not answer)."""
+    server = tinker_server("sequence_timeout_s = 600\ntinker_long_poll_s = 1\n")
     with httpx.Client(base_url=server.url, timeout=60) as client:
         session, sampler = _sampler(client, API_KEY, tinker_model)
         two_chunks = _sample_body(sampler, 1, 2)
@@ -214,6 +217,6 @@ def test_token_ids_outside_the_vocabulary_are_refused_at_once_naming_the_request
             refused = _post(client, API_KEY, "forward_backward", _fb_body(model_id, 1, tokens, targets))
             assert refused.status_code == 422, (field, refused.text)
             assert refused.json()["field"] == field, refused.text
-        fine = _post(client, API_KEY, "forward_backward", _fb_body(model_id, 1, [1, 2, 3], [2, 3, 4]))
+        fine = _post(client, API_KEY, "forward_backward", _fb_body(model_id, 2, [1, 2, 3], [2, 3, 4]))
         assert fine.status_code == 200, fine.text
-        assert _answer(client, API_KEY, fine.json()["request_id"]).status_code == 200
+        assert _answer(client, API_KEY, fine.json()["request_id"], polls=120).status_code == 200

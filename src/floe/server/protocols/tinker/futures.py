@@ -213,6 +213,7 @@ class Sequencer:
         self.pending: dict[int, tuple[str, Callable[[], Reply]]] = {}
         self.late: list[tuple[str, Callable[[], Reply]]] = []
         self.seen: OrderedDict[int, tuple[str, bytes]] = OrderedDict()  # seq_id -> (request_id, body digest)
+        self.skipped: set[int] = set()  # seq_ids refused before they were queued: their turn passes at once
         self.running = False
         self.closed = False
         self._lock = threading.Lock()
@@ -241,6 +242,8 @@ class Sequencer:
                 self.seen[seq_id] = (rid, digest)
                 while len(self.seen) > 4096:
                     self.seen.popitem(last=False)
+            if seq_id is not None:
+                self.skipped.discard(seq_id)  # it came after all: it runs in its turn
             if seq_id is None or seq_id < self.next_seq:
                 self.late.append((rid, job))
             else:
@@ -248,10 +251,24 @@ class Sequencer:
         self._pump()
         return rid
 
+    def skip(self, seq_id: int | None) -> None:
+        """`seq_id` was refused before it was queued (a 422 decided from the request): the client
+        will not send it again, so the requests after it do not wait the gap timeout for it. Only
+        seq_ids within the window of `seen` ahead count (a bounded set)."""
+        with self._lock:
+            if (seq_id is None or seq_id < self.next_seq or seq_id in self.seen or seq_id in self.pending
+                    or seq_id >= self.next_seq + 4096 or len(self.skipped) >= 4096):
+                return
+            self.skipped.add(seq_id)
+        self._pump()
+
     def _pump(self) -> None:
         with self._lock:
             if self.running or self.closed:
                 return
+            while self.next_seq in self.skipped:
+                self.skipped.discard(self.next_seq)
+                self.next_seq += 1
             if self.late:
                 rid, job = self.late.pop(0)
                 advance = False
@@ -295,6 +312,7 @@ class Sequencer:
             self._timer = None
             if not self.running and self.pending and self.next_seq not in self.pending:
                 self.next_seq = min(self.pending)
+                self.skipped = {s for s in self.skipped if s >= self.next_seq}
         self._pump()
 
     def close(self, reason: str = "the training run was closed (its session ended)") -> None:

@@ -324,7 +324,11 @@ class TinkerService:
         except Exception as exc:  # noqa: BLE001 - any decode failure is the client's bad body
             raise InvalidInput("body", f"not a ForwardBackwardRequest protobuf: {type(exc).__name__}") from None
         row = self._run(who, request.model_id)
-        convert.check_forward_tokens(request, self.bases[row.base].vocab_size)  # refused now, not in the future
+        try:
+            convert.check_forward_tokens(request, self.bases[row.base].vocab_size)  # refused now, not in the future
+        except InvalidInput:
+            self._sequencer(row).skip(request.seq_id or None)  # the SDK moves on to the next seq_id
+            raise
         forward_only = request.forward_only
 
         def job() -> Reply:
@@ -532,6 +536,7 @@ class TinkerService:
 
     def get_sampler(self, who: Principal, sampler_id: str) -> dict[str, Any]:
         row = self.store.sampler(sampler_id, who, field="sampler_id")
+        self._check_source(who, row, field="sampler_id")
         out: dict[str, Any] = {"sampler_id": row.id, "base_model": row.base_model}
         if row.model_path:
             out["model_path"] = row.model_path
@@ -543,7 +548,7 @@ class TinkerService:
         self._check_source(who, row)
         return row
 
-    def _check_source(self, who: Principal, row: SamplerRow) -> None:
+    def _check_source(self, who: Principal, row: SamplerRow, field: str = "sampling_session_id") -> None:
         """A sampler made from a checkpoint (`model_path`) is bound to that checkpoint record: it
         samples only while `who` may still load it, checked at every request and again when the
         work starts (and so before its weights are loaded back from disk). Once the checkpoint is
@@ -553,7 +558,7 @@ class TinkerService:
         if row.kind != "checkpoint" or row.model_path is None:
             return
         try:
-            ckpt = self.store.checkpoint(row.model_path, who, field="sampling_session_id")
+            ckpt = self.store.checkpoint(row.model_path, who, field=field)
             current = ckpt.created <= row.created
         except NotFound:
             current = False
@@ -561,7 +566,7 @@ class TinkerService:
             return
         self.store.remove_sampler(row.id)
         self.residency.drop_sampler(row)
-        raise NotFound("sampling_session_id", f"no sampler {row.id!r} for this key: a sampler made from a checkpoint "
+        raise NotFound(field, f"no sampler {row.id!r} for this key: a sampler made from a checkpoint "
                        "ends when the checkpoint is deleted, replaced, expires or stops being published; create a "
                        "new sampling client from a checkpoint this key may load")
 
