@@ -220,3 +220,27 @@ def test_token_ids_outside_the_vocabulary_are_refused_at_once_naming_the_request
         fine = _post(client, API_KEY, "forward_backward", _fb_body(model_id, 2, [1, 2, 3], [2, 3, 4]))
         assert fine.status_code == 200, fine.text
         assert _answer(client, API_KEY, fine.json()["request_id"], polls=120).status_code == 200
+
+
+def test_the_sdk_waits_out_back_pressure_and_every_sample_arrives(tinker_server, tinker_model: Path) -> None:
+    """With a small tinker_max_queued_per_key, a burst of SDK samples (more than the workers take
+    at once) meets 429s, which the SDK treats as back-pressure: it pauses and sends again, and
+    every sample arrives."""
+    import asyncio  # noqa: PLC0415
+
+    import tinker  # noqa: PLC0415
+    from tinker import types  # noqa: PLC0415
+
+    server = tinker_server("tinker_max_queued_per_key = 2\n")
+    sampler = tinker.ServiceClient(base_url=server.url, api_key=API_KEY).create_sampling_client(
+        base_model=str(tinker_model)).result()
+    params = types.SamplingParams(max_tokens=100, stop=[], seed=1)
+
+    async def burst() -> list:
+        return await asyncio.gather(*(sampler.sample(types.ModelInput.from_ints([1, 2, 3]), 8, params)
+                                      for _ in range(16)))
+
+    results = asyncio.run(burst())
+    assert all(len(r.sequences) == 8 and len(r.sequences[0].tokens) == 100 for r in results)
+    log = server.log_path.read_text()
+    assert '"path": "/api/v1/asample", "status": 429' in log  # the burst did meet the bound
