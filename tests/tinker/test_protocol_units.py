@@ -201,6 +201,23 @@ def test_a_seq_id_refused_before_it_was_queued_does_not_hold_up_the_next() -> No
     futures.close()
 
 
+def test_the_bodies_of_queued_requests_are_bounded_per_owner() -> None:
+    futures = Futures(workers=1, max_queued_bytes_per_owner=100)
+    seq = Sequencer(futures, "alice", gap_timeout_s=30)
+    order: list[int] = []
+    seq.submit(5, _recorder(order, 5), size=80)  # waits for seq 1..4, holding its body
+    with pytest.raises(ApiError) as err:
+        seq.submit(6, _recorder(order, 6), size=30)
+    assert err.value.status == 429 and "tinker_max_queued_mb_per_key" in err.value.message
+    seq.submit(6, _recorder(order, 6), size=20)
+    other = Sequencer(futures, "bob", gap_timeout_s=30)
+    other.submit(5, _recorder(order, 50), size=1000)  # another owner; and a first request always fits
+    seq.close()
+    other.close()
+    assert futures.queued("alice") == futures.queued("bob") == 0 and order == []
+    futures.close()
+
+
 def test_a_gapped_seq_id_counts_as_queued_work_and_closing_releases_it() -> None:
     futures = Futures(workers=1, max_queued_per_owner=3)
     seq = Sequencer(futures, "alice", gap_timeout_s=30)

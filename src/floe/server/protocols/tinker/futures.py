@@ -12,8 +12,9 @@ Fair scheduling: the workers are shared by every principal, so jobs wait in one 
 and a free worker takes the next job round-robin over the owners with work waiting (each
 owner's jobs in their order). One key's backlog then delays another key's request by about one
 job per worker, not by the whole backlog. `admit` bounds the jobs an owner has accepted but not
-started (queued here or waiting in a `Sequencer` for their turn): past `max_queued_per_owner` a
-request is refused before any work with 429 `too_many_requests`, which the tinker SDK treats as
+started (queued here or waiting in a `Sequencer` for their turn, each holding its parsed body):
+past `max_queued_per_owner` of them, or `max_queued_bytes_per_owner` of their bodies (one request
+always fits), a request is refused before any work with 429 `too_many_requests`, which the tinker SDK treats as
 back-pressure (a sampling client pauses a second and sends again; other calls retry with backoff).
 
 `Sequencer`: one per training run. Requests carry the client's `seq_id` (1, 2, ... per
@@ -55,6 +56,7 @@ class _Entry:
 
 
 QUEUE_SETTING = "[server] tinker_max_queued_per_key"
+QUEUE_BYTES_SETTING = "[server] tinker_max_queued_mb_per_key"
 
 
 class Futures:
@@ -62,43 +64,52 @@ class Futures:
     jobs round-robin over their owners (see the module docstring)."""
 
     def __init__(self, workers: int = 8, max_entries: int = 20000, max_per_owner: int = 4096,
-                 max_queued_per_owner: int = 256):
+                 max_queued_per_owner: int = 256, max_queued_bytes_per_owner: int = 1 << 30):
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._by_owner: dict[str, deque[str]] = {}
         self._lock = threading.Lock()
         self._max = max_entries
         self._max_per_owner = max_per_owner
         self.max_queued_per_owner = max_queued_per_owner
-        self._queued: dict[str, int] = {}  # owner -> admitted jobs not started yet
+        self.max_queued_bytes_per_owner = max_queued_bytes_per_owner
+        self._queued: dict[str, tuple[int, int]] = {}  # owner -> (admitted jobs not started yet, their body bytes)
         self._jobs: OrderedDict[str, deque[Callable[[], None]]] = OrderedDict()  # owners with jobs waiting, in turn
         self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="floe-tinker")
 
     # -- admission and fair scheduling -----------------------------------------------------------
 
-    def admit(self, owner: str) -> None:
-        """Count one more accepted, not yet started job of `owner` (`started` or `release` takes
-        it back); ApiError 429 when the owner has `max_queued_per_owner` already."""
+    def admit(self, owner: str, size: int = 0) -> None:
+        """Count one more accepted, not yet started job of `owner` with a body of `size` bytes
+        (`release` takes it back when it starts or will not run); ApiError 429 when the owner
+        has `max_queued_per_owner` jobs already, or their bodies and this one pass
+        `max_queued_bytes_per_owner` (a first job always fits)."""
         with self._lock:
-            queued = self._queued.get(owner, 0)
-            if queued >= self.max_queued_per_owner:
-                raise ApiError(429, "too_many_requests", f"this key has {queued} requests waiting to start, the "
+            count, held = self._queued.get(owner, (0, 0))
+            if count >= self.max_queued_per_owner:
+                raise ApiError(429, "too_many_requests", f"this key has {count} requests waiting to start, the "
                                f"server's limit ({QUEUE_SETTING}); wait for their results before sending more "
                                "(the tinker SDK waits and sends again by itself)")
-            self._queued[owner] = queued + 1
+            if count and held + size > self.max_queued_bytes_per_owner:
+                raise ApiError(429, "too_many_requests", f"this key's {count} requests waiting to start hold "
+                               f"{held >> 20} MiB of request bodies; with this one's {size >> 20} MiB that passes "
+                               f"the server's limit ({QUEUE_BYTES_SETTING}); wait for their results before "
+                               "sending more (the tinker SDK waits and sends again by itself)")
+            self._queued[owner] = (count + 1, held + size)
 
-    def release(self, owner: str) -> None:
-        """An admitted job that will not start (or has just started) no longer counts."""
+    def release(self, owner: str, size: int = 0) -> None:
+        """An admitted job (of `size` body bytes) that has just started, or will not run, no
+        longer counts."""
         with self._lock:
-            left = self._queued.get(owner, 0) - 1
-            if left > 0:
-                self._queued[owner] = left
+            count, held = self._queued.get(owner, (1, size))
+            if count > 1:
+                self._queued[owner] = (count - 1, max(0, held - size))
             else:
                 self._queued.pop(owner, None)
 
     def queued(self, owner: str) -> int:
         """`owner`'s admitted jobs not started yet."""
         with self._lock:
-            return self._queued.get(owner, 0)
+            return self._queued.get(owner, (0, 0))[0]
 
     def schedule(self, owner: str, work: Callable[[], None]) -> None:
         """Run `work` on a worker when `owner`'s turn comes (after `owner`'s earlier work)."""
@@ -210,8 +221,8 @@ class Sequencer:
         self.owner = owner
         self.gap_timeout_s = gap_timeout_s
         self.next_seq = first_seq
-        self.pending: dict[int, tuple[str, Callable[[], Reply]]] = {}
-        self.late: list[tuple[str, Callable[[], Reply]]] = []
+        self.pending: dict[int, tuple[str, Callable[[], Reply], int]] = {}  # seq_id -> (request_id, job, body bytes)
+        self.late: list[tuple[str, Callable[[], Reply], int]] = []
         self.seen: OrderedDict[int, tuple[str, bytes]] = OrderedDict()  # seq_id -> (request_id, body digest)
         self.skipped: set[int] = set()  # seq_ids refused before they were queued: their turn passes at once
         self.running = False
@@ -219,11 +230,11 @@ class Sequencer:
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
 
-    def submit(self, seq_id: int | None, job: Callable[[], Reply], digest: bytes = b"") -> str:
+    def submit(self, seq_id: int | None, job: Callable[[], Reply], digest: bytes = b"", size: int = 0) -> str:
         """The request_id of `job` at `seq_id` (the earlier one for a re-sent seq_id with the same
         `digest`; ApiError 409 for one with another; ApiError 429 past the owner's bound on queued
         work, `Futures.admit`). A request without a seq_id, or one whose turn was skipped, runs as
-        soon as the run is free."""
+        soon as the run is free. `size`: the request body's bytes (held until it starts)."""
         with self._lock:
             if self.closed:
                 raise StateError("this training run was closed (its session ended); start a new one")
@@ -236,7 +247,7 @@ class Sequencer:
                 return rid
             # Counted until it starts: a request waiting for its turn (a gapped seq_id holds its
             # parsed body until the gap timeout) is queued work like one waiting for a worker.
-            self.futures.admit(self.owner)
+            self.futures.admit(self.owner, size)
             rid = self.futures.new(self.owner)
             if seq_id is not None:
                 self.seen[seq_id] = (rid, digest)
@@ -245,9 +256,9 @@ class Sequencer:
             if seq_id is not None:
                 self.skipped.discard(seq_id)  # it came after all: it runs in its turn
             if seq_id is None or seq_id < self.next_seq:
-                self.late.append((rid, job))
+                self.late.append((rid, job, size))
             else:
-                self.pending[seq_id] = (rid, job)
+                self.pending[seq_id] = (rid, job, size)
         self._pump()
         return rid
 
@@ -270,10 +281,10 @@ class Sequencer:
                 self.skipped.discard(self.next_seq)
                 self.next_seq += 1
             if self.late:
-                rid, job = self.late.pop(0)
+                rid, job, size = self.late.pop(0)
                 advance = False
             elif self.next_seq in self.pending:
-                rid, job = self.pending.pop(self.next_seq)
+                rid, job, size = self.pending.pop(self.next_seq)
                 advance = True
                 if self._timer is not None:
                     self._timer.cancel()
@@ -285,10 +296,10 @@ class Sequencer:
                     self._timer.start()
                 return
             self.running = True
-        self.futures.schedule(self.owner, lambda: self._run(rid, job, advance))
+        self.futures.schedule(self.owner, lambda: self._run(rid, job, advance, size))
 
-    def _run(self, rid: str, job: Callable[[], Reply], advance: bool) -> None:
-        self.futures.release(self.owner)
+    def _run(self, rid: str, job: Callable[[], Reply], advance: bool, size: int = 0) -> None:
+        self.futures.release(self.owner, size)
         try:
             reply = job()
         except BaseException as exc:  # noqa: BLE001 - answered to the caller (jobs answer their own errors first)
@@ -322,11 +333,11 @@ class Sequencer:
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
-            waiting = [rid for rid, _ in self.late] + [rid for rid, _ in self.pending.values()]
+            waiting = [(rid, size) for rid, _, size in [*self.late, *self.pending.values()]]
             self.late.clear()
             self.pending.clear()
             self.closed = True  # nothing starts after this
         body = json.dumps({"error": reason, "category": "user"}).encode()
-        for rid in waiting:
-            self.futures.release(self.owner)
+        for rid, size in waiting:
+            self.futures.release(self.owner, size)
             self.futures.complete(rid, Reply(200, body, "application/json"))

@@ -80,6 +80,7 @@ class Bounds:
     min_ttl_s: int = 3600  # the shortest checkpoint ttl_seconds ([server] tinker_min_ttl_s)
     stability_tokens: int = 1 << 23  # recorded tokens of stability info per key (stability.py)
     queued_per_key: int = 256  # requests a key has accepted but not started ([server] tinker_max_queued_per_key)
+    queued_mb_per_key: int = 1024  # their forward_backward bodies, MiB ([server] tinker_max_queued_mb_per_key)
 
 
 class TinkerService:
@@ -96,7 +97,8 @@ class TinkerService:
         self.full_finetune = full_finetune
         self.layout = Layout(root)
         self.store = store
-        self.futures = Futures(max_queued_per_owner=bounds.queued_per_key)
+        self.futures = Futures(max_queued_per_owner=bounds.queued_per_key,
+                               max_queued_bytes_per_owner=bounds.queued_mb_per_key << 20)
         self.stability = StabilityRecords(bounds.stability_tokens)
         self.sequencers: dict[str, Sequencer] = {}
         self._seq_lock = threading.Lock()
@@ -346,7 +348,7 @@ class TinkerService:
                     metrics = {"loss:sum": result.metrics["loss"]}
             return Reply(200, convert.forward_output(logprobs, metrics), PROTO)
 
-        rid = self._sequencer(row).submit(request.seq_id or None, self.guarded(job), _digest(body))
+        rid = self._sequencer(row).submit(request.seq_id or None, self.guarded(job), _digest(body), size=len(body))
         return {"request_id": rid, "model_id": row.id}
 
     @staticmethod
