@@ -136,7 +136,7 @@ class AdapterHost:
         self.peft: PeftModel | None = None
         self.specs: dict[str, LoraSpec] = {}
         self.trainable: set[str] = set()
-        self.lock = FairRLock()  # first come, first served: one run's backlog cannot starve another's call
+        self.lock = FairRLock()  # handed round-robin over tenants: one key's backlog cannot starve another's call
 
     @property
     def model(self) -> PreTrainedModel:

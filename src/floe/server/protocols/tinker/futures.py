@@ -10,8 +10,9 @@ future whose job has not finished is never dropped (its reply would be lost whil
 
 Fair scheduling: the workers are shared by every principal, so jobs wait in one queue per owner
 and a free worker takes the next job round-robin over the owners with work waiting (each
-owner's jobs in their order). One key's backlog then delays another key's request by about one
-job per worker, not by the whole backlog. `admit` bounds the jobs an owner has accepted but not
+owner's jobs in their order), and the base model's lock is handed round-robin over the owners
+waiting for it (`floe.locks.FairRLock`). One key's backlog then delays another key's request by
+about one of its jobs, not by the whole backlog. `admit` bounds the jobs an owner has accepted but not
 started (queued here or waiting in a `Sequencer` for their turn, each holding its parsed body):
 past `max_queued_per_owner` of them, or `max_queued_bytes_per_owner` of their bodies (one request
 always fits), a request is refused before any work with 429 `too_many_requests`, which the tinker SDK treats as
@@ -37,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from floe.errors import StateError
+from floe.locks import tenant
 from floe.server.errors import ApiError
 
 
@@ -127,7 +129,8 @@ class Futures:
                 self._jobs.move_to_end(owner)
             else:
                 del self._jobs[owner]
-        work()
+        with tenant(owner):  # the model's lock is handed round-robin over owners too (floe.locks)
+            work()
 
     # -- futures ---------------------------------------------------------------------------------
 
