@@ -124,7 +124,7 @@ def test_a_reused_seq_id_with_other_data_is_refused_not_answered_with_the_old_re
     assert seq.submit(1, _recorder(order, 1), digest=b"a") == first  # the same request again: a retry
     with pytest.raises(ApiError, match="seq_id 1") as err:
         seq.submit(1, _recorder(order, 2), digest=b"b")
-    assert (err.value.status, err.value.error) == (409, "sequence_reused")
+    assert (err.value.status, err.value.error) == (400, "sequence_reused")
     _wait(futures, [first])
     assert order == [1]
     futures.close()
@@ -132,11 +132,104 @@ def test_a_reused_seq_id_with_other_data_is_refused_not_answered_with_the_old_re
 
 def test_a_future_is_known_only_to_its_owner() -> None:
     futures = Futures(workers=1, max_per_owner=3)
-    mine = [futures.new("alice") for _ in range(5)]
+    mine = []
+    for _ in range(5):
+        mine.append(futures.new("alice"))
+        futures.complete(mine[-1], Reply(200, b"", "text/plain"))
     theirs = futures.new("mallory")
     assert futures.known(mine[-1], "alice") and not futures.known(mine[-1], "mallory")
     assert futures.known(theirs, "mallory") and not futures.known(theirs, "alice")
     assert [futures.known(r, "alice") for r in mine] == [False, False, True, True, True]  # each owner's bound
+    futures.close()
+
+
+def test_a_pending_future_is_never_dropped_by_the_reply_bound() -> None:
+    futures = Futures(workers=1, max_per_owner=2, max_entries=3)
+    pending = futures.new("alice")  # its job has not finished: its reply must still arrive
+    done = []
+    for _ in range(4):
+        done.append(futures.new("alice"))
+        futures.complete(done[-1], Reply(200, b"", "text/plain"))
+    assert futures.known(pending, "alice")
+    assert [futures.known(r, "alice") for r in done] == [False, False, False, True]
+    futures.complete(pending, Reply(200, b"late", "text/plain"))
+    assert futures._entries[pending].reply is not None
+    futures.close()
+
+
+def test_workers_take_jobs_round_robin_over_owners_and_bound_each_owners_queue() -> None:
+    futures = Futures(workers=1, max_queued_per_owner=5)
+    gate = threading.Event()
+    order: list[str] = []
+
+    def job(name: str):
+        def run() -> Reply:
+            gate.wait(10)
+            order.append(name)
+            return Reply(200, b"", "text/plain")
+        return run
+
+    rids = []
+    for i in range(5):
+        futures.admit("bob")
+        rids.append(futures.new("bob"))
+        futures.run(rids[-1], "bob", job(f"b{i}"))
+    with pytest.raises(ApiError) as err:  # b0 may have started; at most one more fits
+        for _ in range(2):
+            futures.admit("bob")
+    assert err.value.status == 429 and "tinker_max_queued_per_key" in err.value.message
+    futures.admit("alice")
+    rids.append(futures.new("alice"))
+    futures.run(rids[-1], "alice", job("a0"))
+    gate.set()
+    _wait(futures, rids)
+    assert order.index("a0") <= 2  # behind the running job and at most one more of bob's, not all five
+    assert [n for n in order if n.startswith("b")] == [f"b{i}" for i in range(5)]  # each owner's jobs in order
+    futures.close()
+
+
+def test_a_seq_id_refused_before_it_was_queued_does_not_hold_up_the_next() -> None:
+    futures = Futures(workers=1)
+    seq = Sequencer(futures, "alice", gap_timeout_s=30)
+    order: list[int] = []
+    rid = seq.submit(2, _recorder(order, 2))
+    seq.skip(1)
+    _wait(futures, [rid])
+    assert order == [2]
+    seq.skip(10**9)  # far ahead: not recorded (the set stays bounded)
+    assert seq.skipped == set()
+    futures.close()
+
+
+def test_the_bodies_of_queued_requests_are_bounded_per_owner() -> None:
+    futures = Futures(workers=1, max_queued_bytes_per_owner=100)
+    seq = Sequencer(futures, "alice", gap_timeout_s=30)
+    order: list[int] = []
+    seq.submit(5, _recorder(order, 5), size=80)  # waits for seq 1..4, holding its body
+    with pytest.raises(ApiError) as err:
+        seq.submit(6, _recorder(order, 6), size=30)
+    assert err.value.status == 429 and "tinker_max_queued_mb_per_key" in err.value.message
+    seq.submit(6, _recorder(order, 6), size=20)
+    other = Sequencer(futures, "bob", gap_timeout_s=30)
+    other.submit(5, _recorder(order, 50), size=1000)  # another owner; and a first request always fits
+    seq.close()
+    other.close()
+    assert futures.queued("alice") == futures.queued("bob") == 0 and order == []
+    futures.close()
+
+
+def test_a_gapped_seq_id_counts_as_queued_work_and_closing_releases_it() -> None:
+    futures = Futures(workers=1, max_queued_per_owner=3)
+    seq = Sequencer(futures, "alice", gap_timeout_s=30)
+    order: list[int] = []
+    rids = [seq.submit(s, _recorder(order, s)) for s in (5, 6, 7)]
+    with pytest.raises(ApiError) as err:
+        seq.submit(8, _recorder(order, 8))
+    assert err.value.status == 429
+    assert seq.submit(5, _recorder(order, 5)) == rids[0]  # a retry is not new work
+    seq.close()
+    assert futures.queued("alice") == 0 and order == []
+    assert all(b"closed" in futures._entries[r].reply.body for r in rids)  # type: ignore[union-attr]
     futures.close()
 
 

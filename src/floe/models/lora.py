@@ -25,7 +25,6 @@ servers use), so the scale is alpha / rank.
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from safetensors.torch import save_file
 from transformers import PreTrainedModel
 
 from floe.errors import InvalidInput
+from floe.locks import FairRLock
 from floe.sampler.engine import copy_in_place
 
 LORA_ALPHA = 32
@@ -136,7 +136,7 @@ class AdapterHost:
         self.peft: PeftModel | None = None
         self.specs: dict[str, LoraSpec] = {}
         self.trainable: set[str] = set()
-        self.lock = threading.RLock()
+        self.lock = FairRLock()  # handed round-robin over tenants: one key's backlog cannot starve another's call
 
     @property
     def model(self) -> PreTrainedModel:

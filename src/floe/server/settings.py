@@ -59,6 +59,13 @@ class ServerConfig(StrictModel):
                                  "session's runs do not count)")
     tinker_max_checkpoints: int = Field(5000, ge=1, description="Tinker checkpoints per key")
     tinker_max_samplers_per_session: int = Field(4096, ge=1, description="samplers per Tinker session")
+    tinker_max_queued_per_key: int = Field(
+        256, ge=1, description="Tinker requests one key may have accepted but not started (waiting for a worker or "
+        "for their seq_id's turn); past it a request is refused with 429, which the tinker SDK waits on and resends")
+    tinker_max_queued_mb_per_key: int = Field(
+        1024, ge=1, description="MiB of forward_backward bodies one key's not yet started Tinker requests may hold "
+        "(a gapped seq_id's body waits in memory for its turn); past it 429 as for tinker_max_queued_per_key (one "
+        "request always fits)")
     tinker_max_samples_per_request: int = Field(1024, ge=1, description="num_samples of one Tinker sample request")
     tinker_max_sampled_tokens_per_request: int = Field(
         1 << 20, ge=1, description="num_samples x max_tokens of one Tinker sample request")

@@ -183,6 +183,37 @@ def _tokens(field: str, chunks: Any) -> list[int]:
     return out
 
 
+def check_forward_tokens(request: Any, vocab_size: int) -> None:
+    """The token ids of a decoded `ForwardBackwardRequest` (each datum's model_input chunks and
+    target_tokens) in [0, vocab_size), checked from the request before it is queued;
+    InvalidInput naming the request's field, e.g. `data[0].model_input.chunks[1].tokens[3]`.
+    (The rest is checked when the request's turn comes: stable_reinforce consumes the stability
+    records it reads, so converting twice would not do.)"""
+    for i, datum in enumerate(request.data):
+        where = f"data[{i}]"
+        n = 0
+        for k, chunk in enumerate(datum.model_input):
+            kind = chunk.WhichOneof("chunk") if hasattr(chunk, "WhichOneof") else None
+            if kind != "encoded_text":
+                raise InvalidInput(f"{where}.model_input[{k}]", f"only text chunks are supported by floe, got {kind!r}")
+            ids = np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32)
+            n += ids.size
+            _check_ids(f"{where}.model_input.chunks[{k}].tokens", ids, vocab_size)
+        if "target_tokens" in datum.loss_fn_inputs and n:
+            field = f"{where}.loss_fn_inputs.target_tokens"
+            target = _tensor(field, datum.loss_fn_inputs["target_tokens"], "target_tokens", n)
+            _check_ids(field, target, vocab_size)
+
+
+def _check_ids(field: str, ids: np.ndarray, vocab_size: int) -> None:
+    """`check_vocab` for an array of ids (no Python loop over them)."""
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+    if bad.size:
+        i = int(bad[0])
+        raise InvalidInput(f"{field}[{i}]", f"token id {int(ids[i])} is outside the base model's vocabulary "
+                           f"[0, {vocab_size})")
+
+
 def loss_config_of(request: Any) -> dict[str, Any]:
     """loss_fn_config_v2 (preferred when set, as the SDK says) or the legacy numeric map, raw:
     numbers, strings, or None for a v2 value that carries neither (checked by `floe_loss`)."""
@@ -481,29 +512,45 @@ def num_samples(value: Any) -> int:
     return _int_in("num_samples", value, 1, MAX_NUM_SAMPLES)
 
 
-def _chunk_tokens(k: int, chunk: Any) -> list[int]:
+def check_vocab(field: str, tokens: Any, vocab_size: int | None) -> None:
+    """Every id of `tokens` in [0, vocab_size) (no check when it is None); InvalidInput naming
+    `field[i]`, the first id outside it. Checked from the request, before any work is queued
+    (the vocabulary is the base model's config, known without loading weights)."""
+    if vocab_size is None:
+        return
+    for i, t in enumerate(tokens):
+        if not 0 <= t < vocab_size:
+            shown = str(int(t)) if abs(t) < 10**30 else f"{str(int(t))[:12]}... ({len(str(int(t)))} digits)"
+            raise InvalidInput(f"{field}[{i}]", f"token id {shown} is outside the base model's vocabulary "
+                               f"[0, {vocab_size})")
+
+
+def _chunk_tokens(k: int, chunk: Any, vocab_size: int | None = None) -> list[int]:
     if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
         raise InvalidInput(f"prompt.chunks[{k}]", "only encoded_text chunks are supported by floe")
     tokens = chunk.get("tokens")
     if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
         raise InvalidInput(f"prompt.chunks[{k}].tokens", "must be a list of token ids")
+    check_vocab(f"prompt.chunks[{k}].tokens", tokens, vocab_size)
     return tokens
 
 
-def prompt_tokens(raw: Any) -> list[int]:
-    """The request's `prompt` (a ModelInput: text chunks) as one list of token ids."""
+def prompt_tokens(raw: Any, vocab_size: int | None = None) -> list[int]:
+    """The request's `prompt` (a ModelInput: text chunks) as one list of token ids (each below
+    `vocab_size` when given)."""
     if not isinstance(raw, dict) or not isinstance(raw.get("chunks"), list):
         raise InvalidInput("prompt", "must be a ModelInput object with a list of chunks")
-    tokens = [t for k, chunk in enumerate(raw["chunks"]) for t in _chunk_tokens(k, chunk)]
+    tokens = [t for k, chunk in enumerate(raw["chunks"]) for t in _chunk_tokens(k, chunk, vocab_size)]
     if not tokens:
         raise InvalidInput("prompt", "is empty")
     return tokens
 
 
-def sampling_params(raw: Any, prompt_len: int, max_context: int) -> SamplingParams:
+def sampling_params(raw: Any, prompt_len: int, max_context: int, vocab_size: int | None = None) -> SamplingParams:
     """floe SamplingParams from the request's `sampling_params` JSON (stop absent = at EOS;
-    [] = never; strings = stop strings; ints = stop token ids; top_k -1 = off), every field
-    type-checked and bounded; InvalidInput naming `sampling_params.<field>`."""
+    [] = never; strings = stop strings; ints = stop token ids, below `vocab_size` when given;
+    top_k -1 = off), every field type-checked and bounded; InvalidInput naming
+    `sampling_params.<field>`."""
     if not isinstance(raw, dict):
         raise InvalidInput("sampling_params", "must be an object")
     known = {"max_tokens", "seed", "stop", "temperature", "top_k", "top_p"}
@@ -523,6 +570,7 @@ def sampling_params(raw: Any, prompt_len: int, max_context: int) -> SamplingPara
             stop_strings = list(stop)
         elif all(type(s) is int for s in stop):
             stop_ids = list(stop)
+            check_vocab("sampling_params.stop", stop_ids, vocab_size)
         else:
             raise InvalidInput("sampling_params.stop", "a string, a list of strings or a list of token ids")
     elif stop is not None:
@@ -652,8 +700,8 @@ def sample_request(body: dict[str, Any], n: int, vocab_size: int, max_context: i
         if body[key] not in (None, False, 0, "", [], {}):
             raise InvalidInput(key, "unknown sampling field; floe serves " + ", ".join(sorted(SAMPLE_KEYS - {"type"})))
     record = _flag(body, "record_stability_info")
-    prompt = prompt_tokens(body.get("prompt"))
-    params = sampling_params(body.get("sampling_params") or {}, len(prompt), max_context)
+    prompt = prompt_tokens(body.get("prompt"), vocab_size)
+    params = sampling_params(body.get("sampling_params") or {}, len(prompt), max_context, vocab_size)
     want_prompt = _flag(body, "prompt_logprobs")
     last_n = body.get("prompt_logprobs_last_n")
     if last_n is not None:

@@ -5,26 +5,40 @@ on a worker thread and its reply (status, body, media type, headers) is stored u
 until `retrieve_future` collects it. A future belongs to the principal that made it: another
 one's `retrieve_future` finds nothing (404). `wait` long-polls on the event loop (no thread
 held) up to a bound the SDK's 45 s read timeout never reaches. The last `max_per_owner` replies
-of each principal are kept (a retried retrieve gets the same answer), `max_entries` in all.
+of each principal are kept (a retried retrieve gets the same answer), `max_entries` in all; a
+future whose job has not finished is never dropped (its reply would be lost while its work runs).
+
+Fair scheduling: the workers are shared by every principal, so jobs wait in one queue per owner
+and a free worker takes the next job round-robin over the owners with work waiting (each
+owner's jobs in their order), and the base model's lock is handed round-robin over the owners
+waiting for it (`floe.locks.FairRLock`). One key's backlog then delays another key's request by
+about one of its jobs, not by the whole backlog. `admit` bounds the jobs an owner has accepted but not
+started (queued here or waiting in a `Sequencer` for their turn, each holding its parsed body):
+past `max_queued_per_owner` of them, or `max_queued_bytes_per_owner` of their bodies (one request
+always fits), a request is refused before any work with 429 `too_many_requests`, which the tinker SDK treats as
+back-pressure (a sampling client pauses a second and sends again; other calls retry with backoff).
 
 `Sequencer`: one per training run. Requests carry the client's `seq_id` (1, 2, ... per
 TrainingClient); each runs only after every smaller one, so the chunks of a forward_backward
 that arrive out of order are applied in `seq_id` order. A gap that stays open longer than
 `gap_timeout_s` (a request the client reserved but never sent) is skipped. A re-sent `seq_id`
 with the same body gets the original `request_id` (idempotent retries); with a different body
-it is refused (409 `sequence_reused`): answering the old result would silently drop the new request.
+it is refused (400 `sequence_reused`; never 409, which the SDK retries): answering the old result would silently drop the new request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from floe.errors import StateError
+from floe.locks import tenant
 from floe.server.errors import ApiError
 
 
@@ -43,16 +57,82 @@ class _Entry:
         self.waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
 
 
-class Futures:
-    """request_id -> reply, filled by worker threads, awaited by retrieve_future."""
+QUEUE_SETTING = "[server] tinker_max_queued_per_key"
+QUEUE_BYTES_SETTING = "[server] tinker_max_queued_mb_per_key"
 
-    def __init__(self, workers: int = 8, max_entries: int = 20000, max_per_owner: int = 4096):
+
+class Futures:
+    """request_id -> reply, filled by worker threads, awaited by retrieve_future; the workers take
+    jobs round-robin over their owners (see the module docstring)."""
+
+    def __init__(self, workers: int = 8, max_entries: int = 20000, max_per_owner: int = 4096,
+                 max_queued_per_owner: int = 256, max_queued_bytes_per_owner: int = 1 << 30):
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._by_owner: dict[str, deque[str]] = {}
         self._lock = threading.Lock()
         self._max = max_entries
         self._max_per_owner = max_per_owner
+        self.max_queued_per_owner = max_queued_per_owner
+        self.max_queued_bytes_per_owner = max_queued_bytes_per_owner
+        self._queued: dict[str, tuple[int, int]] = {}  # owner -> (admitted jobs not started yet, their body bytes)
+        self._jobs: OrderedDict[str, deque[Callable[[], None]]] = OrderedDict()  # owners with jobs waiting, in turn
         self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="floe-tinker")
+
+    # -- admission and fair scheduling -----------------------------------------------------------
+
+    def admit(self, owner: str, size: int = 0) -> None:
+        """Count one more accepted, not yet started job of `owner` with a body of `size` bytes
+        (`release` takes it back when it starts or will not run); ApiError 429 when the owner
+        has `max_queued_per_owner` jobs already, or their bodies and this one pass
+        `max_queued_bytes_per_owner` (a first job always fits)."""
+        with self._lock:
+            count, held = self._queued.get(owner, (0, 0))
+            if count >= self.max_queued_per_owner:
+                raise ApiError(429, "too_many_requests", f"this key has {count} requests waiting to start, the "
+                               f"server's limit ({QUEUE_SETTING}); wait for their results before sending more "
+                               "(the tinker SDK waits and sends again by itself)")
+            if count and held + size > self.max_queued_bytes_per_owner:
+                raise ApiError(429, "too_many_requests", f"this key's {count} requests waiting to start hold "
+                               f"{held >> 20} MiB of request bodies; with this one's {size >> 20} MiB that passes "
+                               f"the server's limit ({QUEUE_BYTES_SETTING}); wait for their results before "
+                               "sending more (the tinker SDK waits and sends again by itself)")
+            self._queued[owner] = (count + 1, held + size)
+
+    def release(self, owner: str, size: int = 0) -> None:
+        """An admitted job (of `size` body bytes) that has just started, or will not run, no
+        longer counts."""
+        with self._lock:
+            count, held = self._queued.get(owner, (1, size))
+            if count > 1:
+                self._queued[owner] = (count - 1, max(0, held - size))
+            else:
+                self._queued.pop(owner, None)
+
+    def queued(self, owner: str) -> int:
+        """`owner`'s admitted jobs not started yet."""
+        with self._lock:
+            return self._queued.get(owner, (0, 0))[0]
+
+    def schedule(self, owner: str, work: Callable[[], None]) -> None:
+        """Run `work` on a worker when `owner`'s turn comes (after `owner`'s earlier work)."""
+        with self._lock:
+            self._jobs.setdefault(owner, deque()).append(work)
+        self.executor.submit(self._next)
+
+    def _next(self) -> None:
+        # One `_next` is submitted per scheduled job, so there is always a job to take: the first
+        # owner in turn's oldest one; that owner goes to the back of the turn if it has more.
+        with self._lock:
+            owner, mine = next(iter(self._jobs.items()))
+            work = mine.popleft()
+            if mine:
+                self._jobs.move_to_end(owner)
+            else:
+                del self._jobs[owner]
+        with tenant(owner):  # the model's lock is handed round-robin over owners too (floe.locks)
+            work()
+
+    # -- futures ---------------------------------------------------------------------------------
 
     def new(self, owner: str) -> str:
         rid = uuid.uuid4().hex
@@ -60,14 +140,32 @@ class Futures:
             self._entries[rid] = _Entry(owner)
             mine = self._by_owner.setdefault(owner, deque())
             mine.append(rid)
-            while len(mine) > self._max_per_owner:
-                self._entries.pop(mine.popleft(), None)
-            while len(self._entries) > self._max:
-                old, entry = self._entries.popitem(last=False)
-                with_owner = self._by_owner.get(entry.owner)
-                if with_owner and with_owner[0] == old:
-                    with_owner.popleft()
+            if len(mine) > self._max_per_owner:
+                self._drop_done(mine, len(mine) - self._max_per_owner)
+            if len(self._entries) > self._max:
+                victims = [r for r, _ in zip(self._done_ids(), range(len(self._entries) - self._max))]
+                for old in victims:
+                    entry = self._entries.pop(old)
+                    with_owner = self._by_owner.get(entry.owner)
+                    if with_owner is not None:
+                        with_owner.remove(old)
         return rid
+
+    def _drop_done(self, mine: deque[str], count: int) -> None:
+        """Drop the oldest `count` finished futures of one owner (pending ones stay, in order)."""
+        kept: list[str] = []
+        while count and mine:
+            old = mine.popleft()
+            entry = self._entries.get(old)
+            if entry is not None and entry.reply is None:
+                kept.append(old)
+                continue
+            self._entries.pop(old, None)
+            count -= 1
+        mine.extendleft(reversed(kept))
+
+    def _done_ids(self) -> Iterator[str]:
+        return (rid for rid, entry in self._entries.items() if entry.reply is not None)
 
     def known(self, rid: str, owner: str) -> bool:
         with self._lock:
@@ -84,9 +182,14 @@ class Futures:
         for loop, event in waiters:
             loop.call_soon_threadsafe(event.set)
 
-    def run(self, rid: str, job: Callable[[], Reply]) -> None:
-        """Run `job` on a worker thread and store its reply under `rid`."""
-        self.executor.submit(lambda: self.complete(rid, job()))
+    def run(self, rid: str, owner: str, job: Callable[[], Reply]) -> None:
+        """Run `job` (admitted for `owner`) on a worker in `owner`'s turn; store its reply under `rid`."""
+
+        def work() -> None:
+            self.release(owner)
+            self.complete(rid, job())
+
+        self.schedule(owner, work)
 
     async def wait(self, rid: str, timeout_s: float) -> Reply | None:
         """The reply, waiting up to `timeout_s`; None when it is not ready yet."""
@@ -121,46 +224,70 @@ class Sequencer:
         self.owner = owner
         self.gap_timeout_s = gap_timeout_s
         self.next_seq = first_seq
-        self.pending: dict[int, tuple[str, Callable[[], Reply]]] = {}
-        self.late: list[tuple[str, Callable[[], Reply]]] = []
+        self.pending: dict[int, tuple[str, Callable[[], Reply], int]] = {}  # seq_id -> (request_id, job, body bytes)
+        self.late: list[tuple[str, Callable[[], Reply], int]] = []
         self.seen: OrderedDict[int, tuple[str, bytes]] = OrderedDict()  # seq_id -> (request_id, body digest)
+        self.skipped: set[int] = set()  # seq_ids refused before they were queued: their turn passes at once
         self.running = False
+        self.closed = False
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
 
-    def submit(self, seq_id: int | None, job: Callable[[], Reply], digest: bytes = b"") -> str:
+    def submit(self, seq_id: int | None, job: Callable[[], Reply], digest: bytes = b"", size: int = 0) -> str:
         """The request_id of `job` at `seq_id` (the earlier one for a re-sent seq_id with the same
-        `digest`; ApiError 409 for one with another). A request without a seq_id, or one whose turn
-        was skipped, runs as soon as the run is free."""
+        `digest`; ApiError 400 for one with another; ApiError 429 past the owner's bound on queued
+        work, `Futures.admit`). A request without a seq_id, or one whose turn was skipped, runs as
+        soon as the run is free. `size`: the request body's bytes (held until it starts)."""
         with self._lock:
+            if self.closed:
+                raise StateError("this training run was closed (its session ended); start a new one")
             if seq_id is not None and seq_id in self.seen:
                 rid, before = self.seen[seq_id]
                 if before != digest:
-                    raise ApiError(409, "sequence_reused", f"seq_id {seq_id} of this training run was already used for "
+                    raise ApiError(400, "sequence_reused", f"seq_id {seq_id} of this training run was already used for "
                                    "another request; a retry must resend the same request, a new request needs the "
                                    "next seq_id", "seq_id")
                 return rid
+            # Counted until it starts: a request waiting for its turn (a gapped seq_id holds its
+            # parsed body until the gap timeout) is queued work like one waiting for a worker.
+            self.futures.admit(self.owner, size)
             rid = self.futures.new(self.owner)
             if seq_id is not None:
                 self.seen[seq_id] = (rid, digest)
                 while len(self.seen) > 4096:
                     self.seen.popitem(last=False)
+            if seq_id is not None:
+                self.skipped.discard(seq_id)  # it came after all: it runs in its turn
             if seq_id is None or seq_id < self.next_seq:
-                self.late.append((rid, job))
+                self.late.append((rid, job, size))
             else:
-                self.pending[seq_id] = (rid, job)
+                self.pending[seq_id] = (rid, job, size)
         self._pump()
         return rid
 
+    def skip(self, seq_id: int | None) -> None:
+        """`seq_id` was refused before it was queued (a 422 decided from the request): the client
+        will not send it again, so the requests after it do not wait the gap timeout for it. Only
+        seq_ids within the window of `seen` ahead count (a bounded set)."""
+        with self._lock:
+            if (seq_id is None or seq_id < self.next_seq or seq_id in self.seen or seq_id in self.pending
+                    or seq_id >= self.next_seq + 4096 or len(self.skipped) >= 4096):
+                return
+            self.skipped.add(seq_id)
+        self._pump()
+
     def _pump(self) -> None:
         with self._lock:
-            if self.running:
+            if self.running or self.closed:
                 return
+            while self.next_seq in self.skipped:
+                self.skipped.discard(self.next_seq)
+                self.next_seq += 1
             if self.late:
-                rid, job = self.late.pop(0)
+                rid, job, size = self.late.pop(0)
                 advance = False
             elif self.next_seq in self.pending:
-                rid, job = self.pending.pop(self.next_seq)
+                rid, job, size = self.pending.pop(self.next_seq)
                 advance = True
                 if self._timer is not None:
                     self._timer.cancel()
@@ -172,9 +299,10 @@ class Sequencer:
                     self._timer.start()
                 return
             self.running = True
-        self.futures.executor.submit(self._run, rid, job, advance)
+        self.futures.schedule(self.owner, lambda: self._run(rid, job, advance, size))
 
-    def _run(self, rid: str, job: Callable[[], Reply], advance: bool) -> None:
+    def _run(self, rid: str, job: Callable[[], Reply], advance: bool, size: int = 0) -> None:
+        self.futures.release(self.owner, size)
         try:
             reply = job()
         except BaseException as exc:  # noqa: BLE001 - answered to the caller (jobs answer their own errors first)
@@ -198,10 +326,21 @@ class Sequencer:
             self._timer = None
             if not self.running and self.pending and self.next_seq not in self.pending:
                 self.next_seq = min(self.pending)
+                self.skipped = {s for s in self.skipped if s >= self.next_seq}
         self._pump()
 
-    def close(self) -> None:
+    def close(self, reason: str = "the training run was closed (its session ended)") -> None:
+        """No more requests run: the waiting ones fail with `reason` (a user error) and stop counting
+        against the owner's queued work."""
         with self._lock:
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
+            waiting = [(rid, size) for rid, _, size in [*self.late, *self.pending.values()]]
+            self.late.clear()
+            self.pending.clear()
+            self.closed = True  # nothing starts after this
+        body = json.dumps({"error": reason, "category": "user"}).encode()
+        for rid, size in waiting:
+            self.futures.release(self.owner, size)
+            self.futures.complete(rid, Reply(200, body, "application/json"))

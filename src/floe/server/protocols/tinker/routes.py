@@ -76,7 +76,8 @@ def build_service(state: ServerState) -> TinkerService:
                     sampled_tokens_per_request=config.tinker_max_sampled_tokens_per_request,
                     stability_tokens=config.tinker_max_stability_tokens,
                     session_timeout_s=config.tinker_session_timeout_s, gap_timeout_s=config.sequence_timeout_s,
-                    min_ttl_s=config.tinker_min_ttl_s)
+                    min_ttl_s=config.tinker_min_ttl_s, queued_per_key=config.tinker_max_queued_per_key,
+                    queued_mb_per_key=config.tinker_max_queued_mb_per_key)
     return TinkerService(bases, names, tokenizer_ids, root, bounds, store,
                          (config.tinker_max_live_runs, config.tinker_max_live_samplers, config.tinker_max_live_bases),
                          config.tinker_full_finetune)

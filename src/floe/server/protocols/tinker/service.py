@@ -47,7 +47,7 @@ from typing import Any
 from floe.backend.runs import RunManager
 from floe.backend.state import read_meta
 from floe.compute.losses import TokenInputs, compute_loss, resolve_loss
-from floe.errors import FloeError, InvalidInput, StateError
+from floe.errors import FloeError, InvalidInput, NotFound, StateError
 from floe.models.lora import LoraSpec
 from floe.names import check_name
 from floe.server.principals import Principal
@@ -79,6 +79,8 @@ class Bounds:
     gap_timeout_s: float = 30.0
     min_ttl_s: int = 3600  # the shortest checkpoint ttl_seconds ([server] tinker_min_ttl_s)
     stability_tokens: int = 1 << 23  # recorded tokens of stability info per key (stability.py)
+    queued_per_key: int = 256  # requests a key has accepted but not started ([server] tinker_max_queued_per_key)
+    queued_mb_per_key: int = 1024  # their forward_backward bodies, MiB ([server] tinker_max_queued_mb_per_key)
 
 
 class TinkerService:
@@ -95,7 +97,8 @@ class TinkerService:
         self.full_finetune = full_finetune
         self.layout = Layout(root)
         self.store = store
-        self.futures = Futures()
+        self.futures = Futures(max_queued_per_owner=bounds.queued_per_key,
+                               max_queued_bytes_per_owner=bounds.queued_mb_per_key << 20)
         self.stability = StabilityRecords(bounds.stability_tokens)
         self.sequencers: dict[str, Sequencer] = {}
         self._seq_lock = threading.Lock()
@@ -335,6 +338,11 @@ class TinkerService:
         except Exception as exc:  # noqa: BLE001 - any decode failure is the client's bad body
             raise InvalidInput("body", f"not a ForwardBackwardRequest protobuf: {type(exc).__name__}") from None
         row = self._run(who, request.model_id)
+        try:
+            convert.check_forward_tokens(request, self.bases[row.base].vocab_size)  # refused now, not in the future
+        except InvalidInput:
+            self._sequencer(row).skip(request.seq_id or None)  # the SDK moves on to the next seq_id
+            raise
         forward_only = request.forward_only
 
         def job() -> Reply:
@@ -352,7 +360,7 @@ class TinkerService:
                     metrics = {"loss:sum": result.metrics["loss"]}
             return Reply(200, convert.forward_output(logprobs, metrics), PROTO)
 
-        rid = self._sequencer(row).submit(request.seq_id or None, self.guarded(job), _digest(body))
+        rid = self._sequencer(row).submit(request.seq_id or None, self.guarded(job), _digest(body), size=len(body))
         return {"request_id": rid, "model_id": row.id}
 
     @staticmethod
@@ -542,6 +550,7 @@ class TinkerService:
 
     def get_sampler(self, who: Principal, sampler_id: str) -> dict[str, Any]:
         row = self.store.sampler(sampler_id, who, field="sampler_id")
+        self._check_source(who, row, field="sampler_id")
         out: dict[str, Any] = {"sampler_id": row.id, "base_model": row.base_model}
         if row.model_path:
             out["model_path"] = row.model_path
@@ -550,7 +559,30 @@ class TinkerService:
     def _sampler(self, who: Principal, sampler_id: Any) -> SamplerRow:
         row = self.store.sampler(sampler_id, who)
         self._open_session(who, row.session_id)
+        self._check_source(who, row)
         return row
+
+    def _check_source(self, who: Principal, row: SamplerRow, field: str = "sampling_session_id") -> None:
+        """A sampler made from a checkpoint (`model_path`) is bound to that checkpoint record: it
+        samples only while `who` may still load it, checked at every request and again when the
+        work starts (and so before its weights are loaded back from disk). Once the checkpoint is
+        deleted, replaced by a newer one of the same name (`created` after the sampler), expired,
+        or (for another key) unpublished, the sampler is released and answers 404 like an unknown
+        one. That holds for the owner's own sampler too: its weights are gone from disk."""
+        if row.kind != "checkpoint" or row.model_path is None:
+            return
+        try:
+            ckpt = self.store.checkpoint(row.model_path, who, field=field)
+            current = ckpt.created <= row.created
+        except NotFound:
+            current = False
+        if current:
+            return
+        self.store.remove_sampler(row.id)
+        self.residency.drop_sampler(row)
+        raise NotFound(field, f"no sampler {row.id!r} for this key: a sampler made from a checkpoint "
+                       "ends when the checkpoint is deleted, replaced, expires or stops being published; create a "
+                       "new sampling client from a checkpoint this key may load")
 
     def asample(self, who: Principal, body: dict[str, Any]) -> dict[str, Any]:
         num = convert.num_samples(body.get("num_samples", 1))
@@ -572,9 +604,11 @@ class TinkerService:
             params = replace(params, top_logprobs=call.topk_sample)
         if call.alt_k and params.seed is None:  # one seed for the samples and the alternative draws
             params = replace(params, seed=manager.draw_seed())
+        self.futures.admit(who.id)  # 429 past the key's bound on queued work, before any work
         rid = self.futures.new(who.id)
 
         def job() -> Reply:
+            self._check_source(who, row)  # still allowed now that its turn came (a revoke in between)
             with self.residency.sampler(row) as (held, info):
                 group = held.sample(info, call.prompt, call.num_samples, params)
                 if call.record_stability:  # before the reply: a client learns the ids from it
@@ -593,7 +627,7 @@ class TinkerService:
             return Reply(200, convert.sample_output(group, call, prompt_lp, scores), PROTO,
                          {VERSION_HEADER: str(info.version)})
 
-        self.futures.run(rid, self.guarded(job))
+        self.futures.run(rid, who.id, self.guarded(job))
         return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(num)]}
 
     # -- runs and checkpoints (REST) ----------------------------------------------------------
