@@ -217,7 +217,10 @@ def test_long_operations_wait_quietly(servers, caplog: pytest.LogCaptureFixture)
                              sampling_params=types.SamplingParams(max_tokens=600, seed=1, stop=[])).result()
     service.close("success").result()
     assert [len(s.tokens) for s in out.sequences] == [600] * 64
-    noisy = [r.getMessage() for r in caplog.records if r.name.startswith("tinker") and r.levelno >= logging.WARNING]
+    # Heartbeat warnings are left out: an earlier test's ServiceClient whose server has stopped
+    # keeps heartbeating from its SDK thread and logs into this test's records.
+    noisy = [r.getMessage() for r in caplog.records if r.name.startswith("tinker") and r.levelno >= logging.WARNING
+             and "Session heartbeat failed" not in r.getMessage()]
     assert noisy == []
     assert not any("Retrying request" in r.getMessage() for r in caplog.records)
     polls = [line for line in server.log_path.read_text().splitlines()[before:]
