@@ -14,23 +14,13 @@ from floe.errors import InvalidInput
 from floe.server.errors import ApiError
 from floe.server.protocols.tinker import convert, schema
 from floe.server.protocols.tinker.futures import Futures, Reply, Sequencer
+from tests.tinker.wire import add_datum, request
 
 
 def _request(loss: str, datums: list[tuple[list[int], dict[str, list[float]]]], config: dict | None = None):
-    msg = schema.ForwardBackwardRequest()
-    msg.model_id, msg.seq_id, msg.loss_fn = "m", 1, loss
-    for key, value in (config or {}).items():
-        msg.loss_fn_config_v2[key].number = value
+    msg = request(loss, config)
     for tokens, inputs in datums:
-        d = msg.data.add()
-        d.model_input.add().encoded_text.tokens = np.asarray(tokens, dtype=np.int32).tobytes()
-        for key, values in inputs.items():
-            t = d.loss_fn_inputs[key]
-            if key == "target_tokens":
-                t.dtype, t.dense = schema.DTYPE_INT64, np.asarray(values, dtype=np.int64).tobytes()
-            else:
-                t.dtype, t.dense = schema.DTYPE_FLOAT32, np.asarray(values, dtype=np.float32).tobytes()
-            t.shape.append(len(values))
+        add_datum(msg, tokens, inputs)
     return msg
 
 

@@ -11,44 +11,17 @@ from __future__ import annotations
 import math
 import random
 
-import numpy as np
 import pytest
 import torch
 
 from floe.errors import InvalidInput
 from floe.server.principals import Principal
-from floe.server.protocols.tinker import convert, schema
+from floe.server.protocols.tinker import convert
 from floe.server.protocols.tinker.stability import StabilityRecords
 from tests.conftest import backend_of
+from tests.tinker.wire import add_datum, request
 
 ALICE, BOB = Principal("key-alice", operator=False), Principal("key-bob", operator=False)
-
-
-def add_datum(msg, tokens: list[int], inputs: dict[str, list[float]], spans=None) -> None:
-    """One Datum on `msg`: model_input `tokens`, the given loss_fn_inputs, and `spans` (kind,
-    sequence_id, offset, length) as loss_fn_input_spans (with model_input_spans, as the SDK sends)."""
-    d = msg.data.add()
-    d.model_input.add().encoded_text.tokens = np.asarray(tokens, dtype=np.int32).tobytes()
-    for key, values in inputs.items():
-        t = d.loss_fn_inputs[key]
-        if key == "target_tokens":
-            t.dtype, t.dense = schema.DTYPE_INT64, np.asarray(values, dtype=np.int64).tobytes()
-        else:
-            t.dtype, t.dense = schema.DTYPE_FLOAT32, np.asarray(values, dtype=np.float32).tobytes()
-        t.shape.append(len(values))
-    for kind, sequence_id, offset, length in spans or []:
-        part = getattr(d.loss_fn_input_spans.add(), kind)
-        part.sequence_id, part.offset, part.length = sequence_id, offset, length
-        whole = getattr(d.model_input_spans.add(), kind)
-        whole.sequence_id, whole.offset, whole.length = sequence_id, offset, length
-
-
-def request(loss: str, config: dict[str, float] | None = None, forward_only: bool = False):
-    msg = schema.ForwardBackwardRequest()
-    msg.model_id, msg.seq_id, msg.loss_fn, msg.forward_only = "m", 1, loss, forward_only
-    for key, value in (config or {}).items():
-        msg.loss_fn_config_v2[key].number = value
-    return msg
 
 
 def rl_loop_datum(msg, prompt: list[int], sampled: list[int], client_lp: list[float], advantage: float,

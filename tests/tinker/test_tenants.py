@@ -9,11 +9,10 @@ import threading
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 
-from floe.server.protocols.tinker import schema
 from tests.tinker.conftest import API_KEY
+from tests.tinker.wire import add_datum, request
 
 pytestmark = pytest.mark.tinker
 
@@ -53,13 +52,8 @@ def _sample_body(sampler: str, num: int, max_tokens: int, tokens: list[int] | No
 
 
 def _fb_body(model_id: str, seq_id: int, tokens: list[int], targets: list[int]) -> bytes:
-    msg = schema.ForwardBackwardRequest()
-    msg.model_id, msg.seq_id, msg.loss_fn = model_id, seq_id, "cross_entropy"
-    d = msg.data.add()
-    d.model_input.add().encoded_text.tokens = np.asarray(tokens, dtype=np.int32).tobytes()
-    t = d.loss_fn_inputs["target_tokens"]
-    t.dtype, t.dense = schema.DTYPE_INT64, np.asarray(targets, dtype=np.int64).tobytes()
-    t.shape.append(len(targets))
+    msg = request("cross_entropy", model_id=model_id, seq_id=seq_id)
+    add_datum(msg, tokens, {"target_tokens": targets})
     return msg.SerializeToString()
 
 

@@ -19,7 +19,7 @@ from floe.models import load_tokenizer
 from floe.models.lora import LoraSpec
 from floe.server.protocols.tinker import convert
 from floe.server.protocols.tinker.service import TinkerService
-from tests.tinker.test_stable_reinforce import add_datum, request
+from tests.tinker.wire import add_datum, request
 
 PROMPT, SAMPLED = [5, 17, 9, 23, 40], [31, 12, 8, 44]
 

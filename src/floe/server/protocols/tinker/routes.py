@@ -38,6 +38,7 @@ from floe.names import path_under
 from floe.server.bodies import parse_json_object
 from floe.server.edge import principal_of
 from floe.server.errors import to_api_error
+from floe.server.principals import Principal
 from floe.server.protocols.tinker import requests as rq
 from floe.server.protocols.tinker.service import Bounds, TinkerService, _digest
 from floe.server.protocols.tinker.store import Checkpoint, Limits, Store
@@ -229,10 +230,23 @@ def tinker_router(state: ServerState) -> APIRouter:
     async def telemetry() -> dict[str, str]:
         return {"status": "accepted"}  # the SDK's telemetry: dropped (nothing leaves this server)
 
-    @router.post("/create_model")
-    async def create_model(request: Request) -> dict[str, Any]:
-        req, digest = await json_of(request, rq.CreateModel)
-        return await run_in_threadpool(service.create_model, principal_of(request), req, digest)
+    def sequenced(model: type[rq.M], operation: Callable[[Principal, rq.M, bytes], dict[str, Any]]) -> Callable[..., Any]:
+        """A route for a training client's JSON operation: the body parsed by its request model,
+        the operation run with the body's digest (a re-sent seq_id must carry the same one)."""
+        async def route(request: Request) -> dict[str, Any]:
+            req, digest = await json_of(request, model)
+            return await run_in_threadpool(operation, principal_of(request), req, digest)
+        return route
+
+    for name, model, operation in (
+        ("create_model", rq.CreateModel, service.create_model),
+        ("optim_step", rq.OptimStep, service.optim_step),
+        ("save_weights", rq.SaveWeights, service.save_weights),
+        ("save_weights_for_sampler", rq.SaveWeightsForSampler, service.save_weights_for_sampler),
+        ("save_weights_external", rq.SaveWeightsExternal, service.save_weights_external),
+        ("load_weights", rq.LoadWeights, service.load_weights),
+    ):
+        router.add_api_route(f"/{name}", sequenced(model, operation), methods=["POST"], name=name)
 
     @router.post("/get_info")
     async def get_info(request: Request) -> dict[str, Any]:
@@ -245,31 +259,6 @@ def tinker_router(state: ServerState) -> APIRouter:
             raise InvalidInput("Content-Encoding", "compressed bodies are not accepted (client config says so)")
         # forward() sends the same message with forward_only set
         return await run_in_threadpool(service.forward_backward, principal_of(request), await request.body())
-
-    @router.post("/optim_step")
-    async def optim_step(request: Request) -> dict[str, Any]:
-        req, digest = await json_of(request, rq.OptimStep)
-        return await run_in_threadpool(service.optim_step, principal_of(request), req, digest)
-
-    @router.post("/save_weights")
-    async def save_weights(request: Request) -> dict[str, Any]:
-        req, digest = await json_of(request, rq.SaveWeights)
-        return await run_in_threadpool(service.save_weights, principal_of(request), req, digest)
-
-    @router.post("/save_weights_for_sampler")
-    async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
-        req, digest = await json_of(request, rq.SaveWeightsForSampler)
-        return await run_in_threadpool(service.save_weights_for_sampler, principal_of(request), req, digest)
-
-    @router.post("/save_weights_external")
-    async def save_weights_external(request: Request) -> dict[str, Any]:
-        req, digest = await json_of(request, rq.SaveWeightsExternal)
-        return await run_in_threadpool(service.save_weights_external, principal_of(request), req, digest)
-
-    @router.post("/load_weights")
-    async def load_weights(request: Request) -> dict[str, Any]:
-        req, digest = await json_of(request, rq.LoadWeights)
-        return await run_in_threadpool(service.load_weights, principal_of(request), req, digest)
 
     @router.post("/create_sampling_session")
     async def create_sampling_session(request: Request) -> dict[str, Any]:
