@@ -12,8 +12,12 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.server.test_security import KEY_A, KEYS, Tinker
+
+# A server per test (about a minute in all): run by scripts/ci/tinker.sh, not the core suite.
+pytestmark = pytest.mark.tinker
 
 BIG = "v" * 20_000  # over the 16 KiB a metadata record may hold
 
