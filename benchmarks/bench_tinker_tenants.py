@@ -98,6 +98,7 @@ def run_steps(url: str, key: str, model: Path, steps: int, seed: int, times: lis
         sampler.sample(types.ModelInput.from_ints(seqs[0][:8]), num_samples=4,
                        sampling_params=types.SamplingParams(max_tokens=16, temperature=1.0)).result()
         times.append(time.perf_counter() - t0)
+    service.close("success").result()  # ends the session: its samplers go, no heartbeat outlives the arm
 
 
 def arm(model: Path, work: Path, runs: int, steps: int, extra: str, progress: Any, task: Any) -> dict[str, Any]:
