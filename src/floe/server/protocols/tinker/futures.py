@@ -61,6 +61,16 @@ QUEUE_SETTING = "[server] tinker_max_queued_per_key"
 QUEUE_BYTES_SETTING = "[server] tinker_max_queued_mb_per_key"
 
 
+def answer_of(job: Callable[[], Reply]) -> Reply:
+    """`job`'s reply; the last resort when it raises (jobs answer their own errors first): a
+    failed future naming only the exception's type, so no future is left without an answer."""
+    try:
+        return job()
+    except BaseException as exc:  # noqa: BLE001 - answered to the caller
+        return Reply(200, f'{{"error": "internal error: {type(exc).__name__}", "category": "server"}}'.encode(),
+                     "application/json")
+
+
 class Futures:
     """request_id -> reply, filled by worker threads, awaited by retrieve_future; the workers take
     jobs round-robin over their owners (see the module docstring)."""
@@ -187,7 +197,7 @@ class Futures:
 
         def work() -> None:
             self.release(owner)
-            self.complete(rid, job())
+            self.complete(rid, answer_of(job))
 
         self.schedule(owner, work)
 
@@ -303,11 +313,7 @@ class Sequencer:
 
     def _run(self, rid: str, job: Callable[[], Reply], advance: bool, size: int = 0) -> None:
         self.futures.release(self.owner, size)
-        try:
-            reply = job()
-        except BaseException as exc:  # noqa: BLE001 - answered to the caller (jobs answer their own errors first)
-            reply = Reply(200, f'{{"error": "internal error: {type(exc).__name__}", "category": "server"}}'.encode(),
-                          "application/json")
+        reply = answer_of(job)
         with self._lock:
             self.running = False
             if advance:
