@@ -66,7 +66,9 @@ def run_main_ppo(args: list[str], log_path: Path, timeout_s: int = 900) -> Run:
     (verl waits forever when an agent loop fails, so every run needs an outer timeout)."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "WANDB_MODE": "disabled", "RAY_DEDUP_LOGS": "0",
            "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    cmd = ["timeout", "-k", "30", str(timeout_s), sys.executable, "-m", "verl.trainer.main_ppo", *FLOE_SWITCH, *args]
+    # hydra.run.dir: hydra's own outputs go next to the log, not into the checkout's outputs/
+    cmd = ["timeout", "-k", "30", str(timeout_s), sys.executable, "-m", "verl.trainer.main_ppo", *FLOE_SWITCH, *args,
+           f"hydra.run.dir={log_path.parent / (log_path.stem + '.hydra')}"]
     start = time.monotonic()
     with open(log_path, "wb") as out:
         proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, check=False)
