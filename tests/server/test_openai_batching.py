@@ -25,7 +25,7 @@ def backend(make_client):
 
 
 def batcher(backend, window_s: float = 0.1, **kw) -> SampleBatcher:
-    return SampleBatcher(backend.sample, window_s=window_s, max_sequences=kw.get("max_sequences", 256),
+    return SampleBatcher(backend.sample_streaming, window_s=window_s, max_sequences=kw.get("max_sequences", 256),
                          max_context=backend.max_context)
 
 

@@ -53,6 +53,7 @@ from floe.errors import FloeError, InvalidInput, StateError, WorkerFailed
 from floe.models import load_tokenizer
 from floe.models.loading import check_model_source
 from floe.placement import build_zones
+from floe.sampler.engine import OnStep
 from floe.types import (
     Batch,
     ForwardBackwardResult,
@@ -165,6 +166,27 @@ class Backend:
             self.sampler.validate(prompts, n, params)  # the engine's own limits (asks a worker: no mode needed)
         with self._op("sample"), self._sampler_lock.shared():
             return self.sampler.sample(prompts, n, params)
+
+    def sample_streaming(self, prompts: list[list[int]], n: int, params: SamplingParams | None,
+                         on_step: OnStep) -> SampleResult:
+        """`sample`, with `on_step` called once per decode step with that step's tokens
+        (`floe.sampler.engine.StepToken`: row = gi * n + k, token id, log-prob), in the thread
+        that generates: live when `streams_tokens`, else replayed from the finished samples.
+        Raising `floe.sampler.engine.StopGeneration` (or anything) in `on_step` stops the
+        generation and propagates. The returned result equals `sample`'s; InvalidInput as
+        `sample` (raised before any step)."""
+        params = params if params is not None else SamplingParams()
+        validate_prompts(prompts, n, params, self.vocab_size, self.max_context)
+        with self._op():
+            self.sampler.validate(prompts, n, params)
+        with self._op("sample"), self._sampler_lock.shared():
+            return self.sampler.sample(prompts, n, params, on_step)
+
+    @property
+    def streams_tokens(self) -> bool:
+        """Whether `sample_streaming` reports tokens while they are generated (the torch and
+        vLLM engines in this process) or replays them after the call (a Ray placement)."""
+        return self.sampler.streams_tokens
 
     def forward(
         self, batch: Batch, zone: str = "policy", temperature: float | None = None, with_entropy: bool = False
@@ -334,6 +356,7 @@ class Backend:
                 capabilities={
                     **loss_capabilities(),
                     "sampler_engine": self.sampler.engine_name,
+                    "sampler_streams_tokens": self.sampler.streams_tokens,
                     "sampler_engine_start_seconds": self.zones.engine_start_seconds(),
                     "pending_forward_backward_calls": self.policy.pending_calls,
                     "placement": self.zones.describe(),

@@ -45,7 +45,7 @@ import torch
 from floe.backend.state import ZoneState
 from floe.backend.weights import Fingerprint
 from floe.errors import InvalidInput, StateError
-from floe.sampler.engine import SamplerEngine, seeds_match_prompts
+from floe.sampler.engine import OnStep, SamplerEngine, seeds_match_prompts
 from floe.sampler.noise import derive
 from floe.types import SampleResult, SamplingParams
 
@@ -118,25 +118,34 @@ class SamplerZone:
     def validate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> None:
         self.engine.validate(prompts, n, params)
 
-    def sample(self, prompts: list[list[int]], n: int, params: SamplingParams) -> SampleResult:
+    @property
+    def streams_tokens(self) -> bool:
+        """Whether `sample(..., on_step)` reports steps while decoding (the engine's
+        `streams_tokens`) rather than replaying them from the finished samples."""
+        return self.engine.streams_tokens
+
+    def sample(self, prompts: list[list[int]], n: int, params: SamplingParams,
+               on_step: OnStep | None = None) -> SampleResult:
         """`generate` with `prompt_seeds` of the call seed: `params.seed`, or (None) one drawn
-        from the zone's generator."""
+        from the zone's generator. `on_step`: the engine's step callback (`floe.sampler.engine`)."""
         seed = params.seed
         if seed is None:
             with self._seed_lock:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._generator))
-        return self.generate(prompts, n, params, prompt_seeds(seed, len(prompts)))
+        return self.generate(prompts, n, params, prompt_seeds(seed, len(prompts)), on_step)
 
-    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[int]) -> SampleResult:
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[int],
+                 on_step: OnStep | None = None) -> SampleResult:
         """n samples of each prompt, prompt i's drawn from `seeds[i]` alone (the replica entry
         point; `params.seed` is not read). InvalidInput("seeds") unless one seed per prompt;
         StateError while asleep or while the weights are incomplete (a streamed receive not
-        ended)."""
+        ended). `on_step` goes to the engine (what it raises propagates)."""
         start = time.perf_counter()
         seeds_match_prompts(prompts, seeds)
         self.check_weights()
         version = self._version
-        groups = self.engine.generate(prompts, n, params, seeds, version)
+        groups = self.engine.generate(prompts, n, params, seeds, version, on_step) if on_step is not None else \
+            self.engine.generate(prompts, n, params, seeds, version)
         num_tokens = sum(len(s.tokens) for g in groups for s in g.samples)
         return SampleResult(groups, version, num_tokens, time.perf_counter() - start)
 

@@ -30,6 +30,7 @@ import torch
 from floe.backend.state import ZoneState
 from floe.backend.weights import Fingerprint, WeightsSnapshot
 from floe.compute.losses import LossSpec
+from floe.sampler.engine import OnStep
 from floe.types import Batch, ForwardBackwardResult, ForwardResult, OptimStepResult, SampleResult, SamplingParams
 
 
@@ -100,7 +101,17 @@ class SamplerWorker(Protocol):
         """The engine's own limits (InvalidInput); reads nothing that changes."""
         ...
 
-    def sample(self, prompts: list[list[int]], n: int, params: SamplingParams) -> SampleResult: ...
+    @property
+    def streams_tokens(self) -> bool:
+        """True when `sample`'s `on_step` is called while the engine decodes; False when the
+        steps are replayed from the finished samples (`floe.sampler.engine.replay_steps`)."""
+        ...
+
+    def sample(self, prompts: list[list[int]], n: int, params: SamplingParams,
+               on_step: OnStep | None = None) -> SampleResult:
+        """n samples per prompt; `on_step` gets every decode step's tokens (`floe.sampler.engine`:
+        rows gi * n + k), live or replayed; what it raises (`StopGeneration`) ends the call."""
+        ...
 
     def held_dtypes(self) -> dict[str, str]:
         """The dtype name ("float32", "bfloat16", ...) the engine holds each weight in, by

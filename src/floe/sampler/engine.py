@@ -24,12 +24,20 @@ Contract of `generate` (every engine must meet it; tests/sampler checks the torc
   sleep raises StateError saying why (never a silent no-op);
 * it is safe to call from several threads at once: an engine keeps no mutable state across
   a call (per-call generator and KV cache). Loading weights is never concurrent with
-  `generate` (the Backend holds the sampler exclusively for it).
+  `generate` (the Backend holds the sampler exclusively for it);
+* with `on_step`, the engine calls it once per decode step, in the generating thread, with one
+  `StepToken` per row that produced a token at that step (row = gi * n + k: sample k of prompt
+  gi of the call); a row's step tokens, in order, are exactly its returned sample's tokens and
+  log-probs (and `top_logprobs` when asked). An exception `on_step` raises (`StopGeneration` to
+  cancel) stops the generation and propagates out of `generate`. An engine that cannot report
+  steps while it decodes calls `replay_steps` on its finished samples instead (same tokens,
+  after the fact).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -38,6 +46,46 @@ from floe.errors import InvalidInput, StateError
 from floe.types import SampledGroup, SamplingParams
 
 Fingerprint = tuple[float, float]  # (float64 sum, float64 sum of squares) of one tensor
+
+
+@dataclass(frozen=True)
+class StepToken:
+    """One token a row produced at one decode step.
+
+    `row`: gi * n + k (sample k of the call's prompt gi); `token`: its id; `logprob`: its
+    log-prob (the same value the returned sample records); `top_logprobs`: with
+    `params.top_logprobs` = k > 0, the k most likely (token id, log-prob) at that position,
+    most likely first (else None)."""
+
+    row: int
+    token: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
+
+
+OnStep = Callable[[list[StepToken]], None]
+"""A generation's step callback: called once per decode step with that step's tokens (at most
+one per row, rows ascending). Runs in the generating thread; raising stops the generation."""
+
+
+class StopGeneration(Exception):  # noqa: N818 - a signal, not an error
+    """Raised by an `OnStep` callback to stop the generation (every client of it has left);
+    propagates out of `generate` / `sample` unchanged."""
+
+
+def replay_steps(groups: list[SampledGroup], on_step: OnStep) -> None:
+    """Replay finished samples as steps: step t carries token t of every row (row = gi * n + k
+    over `groups`, n = samples per group) that has one, so a caller sees what a live
+    engine's `on_step` would have reported, after the fact. Used by engines and placements
+    that cannot report steps while decoding. An exception from `on_step` propagates."""
+    rows = [s for g in groups for s in g.samples]
+    for t in range(max((len(s.tokens) for s in rows), default=0)):
+        step = [
+            StepToken(r, s.tokens[t], s.logprobs[t],
+                      tuple(s.top_logprobs[t]) if s.top_logprobs is not None else None)
+            for r, s in enumerate(rows) if t < len(s.tokens)
+        ]
+        on_step(step)
 
 
 def fingerprint(t: torch.Tensor) -> Fingerprint:
@@ -107,11 +155,19 @@ class SamplerEngine(Protocol):
         ...
 
     def generate(
-        self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[int], version: int
+        self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[int], version: int,
+        on_step: OnStep | None = None,
     ) -> list[SampledGroup]:
         """One `SampledGroup` per prompt (in order), n samples each, every sample stamped with
         `version`. `seeds[i]` (one per prompt, `seeds_match_prompts`) fixes every random draw
-        of prompt i's samples. StateError while asleep."""
+        of prompt i's samples. `on_step`: called per decode step (module docstring); what it
+        raises stops the generation and propagates. StateError while asleep."""
+        ...
+
+    @property
+    def streams_tokens(self) -> bool:
+        """True when `on_step` is called while decoding (live), False when it is replayed from
+        the finished samples (`replay_steps`)."""
         ...
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor], partial: bool = False) -> None:

@@ -33,7 +33,15 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from floe.errors import InvalidInput, StateError
-from floe.sampler.engine import Fingerprint, copy_in_place, dtype_names, fingerprints, seeds_match_prompts
+from floe.sampler.engine import (
+    Fingerprint,
+    OnStep,
+    StepToken,
+    copy_in_place,
+    dtype_names,
+    fingerprints,
+    seeds_match_prompts,
+)
 from floe.sampler.kv_cache import preallocated_cache
 from floe.sampler.noise import derive, derive_tensor, sample_categorical
 from floe.types import SampledGroup, SampledSequence, SamplingParams, StopReason
@@ -190,9 +198,15 @@ class TorchEngine:
                 "n", f"{n} samples per prompt exceed sampler.engine.max_batch_sequences ({self.max_batch_sequences})"
             )
 
+    @property
+    def streams_tokens(self) -> bool:
+        """Always: `on_step` is called from the decode loop as each token is drawn."""
+        return True
+
     @torch.inference_mode()
     def generate(
-        self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[int], version: int
+        self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[int], version: int,
+        on_step: OnStep | None = None,
     ) -> list[SampledGroup]:
         seeds_match_prompts(prompts, seeds)
         if self._asleep:
@@ -201,7 +215,7 @@ class TorchEngine:
         groups: list[SampledGroup] = []
         for i in range(0, len(prompts), prompts_per_chunk):
             chunk = slice(i, i + prompts_per_chunk)
-            groups.extend(self._generate_chunk(prompts[chunk], n, params, seeds[chunk], version))
+            groups.extend(self._generate_chunk(prompts[chunk], n, params, seeds[chunk], version, on_step, i * n))
         return groups
 
     @torch.no_grad()
@@ -266,7 +280,8 @@ class TorchEngine:
         return ids
 
     def _generate_chunk(
-        self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[int], version: int
+        self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[int], version: int,
+        on_step: OnStep | None = None, first_row: int = 0,
     ) -> list[SampledGroup]:
         state = self._prefill(prompts, n, params.max_tokens)
         rows = _Rows.start(len(prompts) * n, self._stop_ids(params), params.stop, params.top_logprobs > 0)
@@ -276,6 +291,9 @@ class TorchEngine:
             alive = torch.tensor(rows.alive, device=self.device)
             chosen, chosen_logp = draw_tokens(state.logits, params, derive_tensor(row_seeds[alive], step))
             keep = rows.record(chosen, chosen_logp, self.tokenizer, top_logprobs(state.logits, params))
+            if on_step is not None:  # this step's token of every row that drew one (the call's row ids)
+                on_step([StepToken(first_row + r, rows.tokens[r][-1], rows.logps[r][-1],
+                                   tuple(rows.tops[r][-1]) if rows.tops is not None else None) for r in rows.alive])
             if not keep or step == params.max_tokens - 1:
                 break
             self._decode_step(state, rows, chosen, keep)

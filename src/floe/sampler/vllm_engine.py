@@ -66,6 +66,12 @@ engine does not do yet: it refuses `tensor_parallel_size > 1` at load time with 
 
 `generate` calls are serialized by a lock (one `LLM` runs one request loop); each call batches
 all its prompts and samples in vLLM's scheduler.
+
+**Streaming** (`generate(..., on_step)`): the engine runs the request loop itself
+(`LLMEngine.add_request` with `RequestOutputKind.DELTA`, then `step()` until done), reports each
+step's new tokens per row, and builds the samples from the same deltas; the requests, their
+seeds and parameters are those of the non-streaming path, so the samples are the same. When
+`on_step` raises, the call's requests are aborted and the exception propagates.
 """
 
 from __future__ import annotations
@@ -81,7 +87,15 @@ from torch import nn
 
 from floe.config import VllmEngineConfig
 from floe.errors import InvalidInput, StateError
-from floe.sampler.engine import Fingerprint, check_layout, dtype_names, fingerprints, seeds_match_prompts
+from floe.sampler.engine import (
+    Fingerprint,
+    OnStep,
+    StepToken,
+    check_layout,
+    dtype_names,
+    fingerprints,
+    seeds_match_prompts,
+)
 from floe.types import SampledGroup, SampledSequence, SamplingParams, StopReason
 
 try:
@@ -265,18 +279,28 @@ class VllmEngine:
                 f"prompt ({longest} tokens) + max_tokens ({params.max_tokens}) exceed "
                 f"sampler.engine.max_model_len ({self.max_model_len}): lower max_tokens or raise max_model_len"))
 
+    @property
+    def streams_tokens(self) -> bool:
+        """Always: with `on_step` the engine steps vLLM itself and reports its deltas."""
+        return True
+
     def generate(
-        self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[int], version: int
+        self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[int], version: int,
+        on_step: OnStep | None = None,
     ) -> list[SampledGroup]:
         """Samples of every prompt in one vLLM `generate` (see the module docstring for the
-        mapping). Greedy calls ask vLLM for one sample per prompt and repeat it n times."""
+        mapping). Greedy calls ask vLLM for one sample per prompt and repeat it n times.
+        With `on_step`, the engine's own request loop (module docstring, Streaming)."""
         seeds_match_prompts(prompts, seeds)
         greedy = params.temperature == 0
         requests = [self._vllm_params(params, 1 if greedy else n, None if greedy else s % (2**31 - n)) for s in seeds]
         inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         with self._lock:
             self._check_awake()
-            outputs = self.llm.generate(inputs, requests, use_tqdm=False)
+            if on_step is None:
+                outputs = self.llm.generate(inputs, requests, use_tqdm=False)
+            else:
+                outputs = self._stream(inputs, requests, n, greedy, on_step)
         temperature = 1.0 if greedy else float(params.temperature)
         groups = []
         for prompt, out in zip(prompts, outputs, strict=True):
@@ -381,6 +405,52 @@ class VllmEngine:
                 shutdown()
             self.llm = None
 
+    def _stream(self, inputs: list[Any], requests: list[Any], n: int, greedy: bool, on_step: OnStep) -> list[Any]:
+        """Run `requests` (one per prompt) with DELTA outputs through vLLM's engine loop, calling
+        `on_step` per step; returns one `_Streamed` per prompt (completions rebuilt from the
+        deltas, shaped like vLLM's final `RequestOutput`). Called under `self._lock`."""
+        from vllm.sampling_params import RequestOutputKind  # noqa: PLC0415 - vllm is imported only with this engine
+
+        engine = self.llm.llm_engine
+        ids: list[str] = []
+        try:
+            for prompt, request in zip(inputs, requests, strict=True):
+                request.output_kind = RequestOutputKind.DELTA
+                ids.append(engine.add_request(str(next(self.llm.request_counter)), prompt, request))
+            index = {rid: i for i, rid in enumerate(ids)}
+            done: list[_Streamed] = [_Streamed(r.n) for r in requests]
+            while engine.has_unfinished_requests():
+                fresh: list[tuple[int, int, float, Any]] = []  # (row, token, logprob, position logprobs)
+                for out in engine.step():
+                    gi = index[out.request_id]
+                    for c in out.outputs:
+                        got = done[gi].completions[c.index]
+                        new = list(c.token_ids)
+                        steps = list(c.logprobs or [])
+                        got.token_ids += new
+                        got.logprobs += steps
+                        if c.finish_reason is not None:
+                            got.finish_reason, got.stop_reason = c.finish_reason, c.stop_reason
+                        rows = range(gi * n, gi * n + n) if greedy else [gi * n + c.index]
+                        fresh += [(row, tok, float(step[tok].logprob), step)
+                                  for tok, step in zip(new, steps, strict=True) for row in rows]
+                if fresh:
+                    k = requests[0].logprobs or 0
+                    fresh.sort(key=lambda f: f[0])
+                    while fresh:  # at most one token per row per call (several only with speculative steps)
+                        seen: set[int] = set()
+                        now = [f for f in fresh if not (f[0] in seen or seen.add(f[0]))]
+                        for f in now:
+                            fresh.remove(f)
+                        on_step([StepToken(row, tok, lp, tuple(_top(step, tok, k)) if k else None)
+                                 for row, tok, lp, step in now])
+            return done
+        except BaseException:
+            unfinished = [rid for rid in ids if rid]
+            if unfinished and engine.has_unfinished_requests():
+                engine.abort_request(unfinished)
+            raise
+
     # -- helpers ----------------------------------------------------------------------------
 
     def _check_awake(self) -> None:
@@ -428,6 +498,28 @@ class VllmEngine:
         else:
             raise StateError(f"vllm ended a sample with finish_reason={completion.finish_reason!r}")
         return SampledSequence(tokens, logprobs, reason, version, temperature, tops)
+
+
+class _Completion:
+    """One sample rebuilt from vLLM's DELTA outputs (the fields `VllmEngine._sample` reads)."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.token_ids: list[int] = []
+        self.logprobs: list[Any] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: Any = None
+
+
+class _Streamed:
+    """A prompt's request rebuilt from its deltas: `outputs`, like vLLM's final RequestOutput."""
+
+    def __init__(self, n: int):
+        self.completions = {k: _Completion(k) for k in range(n)}
+
+    @property
+    def outputs(self) -> list[_Completion]:
+        return list(self.completions.values())
 
 
 def _wrap_sampler_on_worker(worker: Any) -> None:

@@ -17,6 +17,12 @@ while earlier calls still run (the backend runs sample calls concurrently; holdi
 back until a running call ends was measured slower: closed-loop clients then lock into a small
 and a large batch that alternate). If a merged call is refused as invalid (one member's
 prompt, say), every member is retried alone so each gets its own answer or error.
+
+Steps and cancellation: every call runs with a step callback (`Backend.sample_streaming`). It
+hands each member's rows' tokens (its own row numbers, cut at its own `max_tokens`) to the
+member's `on_step` (a streaming request), and when every member's caller has gone (the request
+was cancelled: its client disconnected), it raises `StopGeneration`, so the engine stops at
+the next decode step instead of finishing tokens nobody reads.
 """
 
 from __future__ import annotations
@@ -31,11 +37,12 @@ from dataclasses import dataclass, field
 from starlette.concurrency import run_in_threadpool
 
 from floe.errors import InvalidInput
+from floe.sampler.engine import OnStep, StepToken, StopGeneration
 from floe.types import SampledGroup, SampledSequence, SampleResult, SamplingParams
 
 log = logging.getLogger("floe.server.batching")
 
-SampleFn = Callable[[list[list[int]], int, SamplingParams], SampleResult]
+SampleFn = Callable[[list[list[int]], int, SamplingParams, OnStep], SampleResult]
 
 
 @dataclass
@@ -44,6 +51,15 @@ class _Request:
     n: int
     params: SamplingParams
     future: asyncio.Future[SampleResult]
+    on_step: OnStep | None = None  # called in the generating thread with this request's own rows
+    gone: bool = False  # its caller left (the future was cancelled); read by the generating thread
+
+    def __post_init__(self) -> None:
+        self.future.add_done_callback(self._mark)
+
+    def _mark(self, future: asyncio.Future[SampleResult]) -> None:
+        if future.cancelled():
+            self.gone = True
 
     @property
     def rows(self) -> int:
@@ -118,15 +134,42 @@ def split(result: SampleResult, shapes: list[tuple[int, int]]) -> list[SampleRes
     return out
 
 
+def step_router(members: list[_Request]) -> OnStep:
+    """The step callback of one call over `members` (in call order): each step token goes to
+    the member owning its row, renumbered to the member's rows and dropped past the member's
+    `max_tokens`; StopGeneration once every member is `gone`. Runs in the generating thread."""
+    owner: list[tuple[_Request, int]] = []  # call row -> (member, its own row)
+    for r in members:
+        owner += [(r, k) for k in range(r.rows)]
+    counts = [0] * len(owner)
+
+    def on_step(steps: list[StepToken]) -> None:
+        if all(r.gone for r in members):
+            raise StopGeneration("every client of this sample call has gone")
+        per: dict[int, list[StepToken]] = {}
+        for st in steps:
+            member, row = owner[st.row]
+            counts[st.row] += 1
+            if member.on_step is not None and not member.gone and counts[st.row] <= member.params.max_tokens:
+                per.setdefault(id(member), []).append(dataclasses.replace(st, row=row))
+        for r in members:
+            if id(r) in per and r.on_step is not None:
+                r.on_step(per[id(r)])
+
+    return on_step
+
+
 class SampleBatcher:
     """Collects concurrent `sample` requests for `window_s` and runs them merged (see module doc).
 
-    `sample_fn` is the blocking sample call (`Backend.sample`); it runs in a worker thread.
-    `window_s` = 0 turns batching off (every request is its own call).
+    `sample_fn` is the blocking sample call with a step callback (`Backend.sample_streaming`);
+    it runs in a worker thread. `window_s` = 0 turns batching off (every request is its own call).
     """
 
-    def __init__(self, sample_fn: SampleFn, *, window_s: float, max_sequences: int, max_context: int):
+    def __init__(self, sample_fn: SampleFn, *, window_s: float, max_sequences: int, max_context: int,
+                 on_stopped: Callable[[], None] | None = None):
         self._sample_fn = sample_fn
+        self._on_stopped = on_stopped  # told of every call stopped early (metrics)
         self.window_s = window_s
         self.max_sequences = max_sequences
         self.max_context = max_context
@@ -134,21 +177,41 @@ class SampleBatcher:
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.calls = 0  # sample calls made (a merged call counts once); for tests and benchmarks
+        self.stopped = 0  # calls the engine stopped early because every client had gone
 
-    async def sample(self, prompts: list[list[int]], n: int, params: SamplingParams) -> SampleResult:
-        """`sample_fn(prompts, n, params)`'s answer, possibly computed together with other requests."""
-        if self.window_s <= 0 or params.seed is not None:
-            return await self._call(prompts, n, params)
+    async def sample(self, prompts: list[list[int]], n: int, params: SamplingParams,
+                     on_step: OnStep | None = None) -> SampleResult:
+        """`sample_fn(prompts, n, params)`'s answer, possibly computed together with other requests.
+
+        `on_step` (optional) gets this request's step tokens as they are generated (rows
+        gi * n + k of its own prompts, at most its `max_tokens` per row), in the generating
+        thread. Cancelling the awaiting task (the client left) marks the request gone; a call
+        whose members are all gone is stopped by the engine at its next step."""
         loop = asyncio.get_running_loop()
-        req = _Request(prompts, n, params, loop.create_future())
-        self._pending.append(req)
-        if self._timer is None:
-            self._timer = loop.call_later(self.window_s, self._flush)
+        req = _Request(prompts, n, params, loop.create_future(), on_step)
+        if self.window_s <= 0 or params.seed is not None:
+            self._start(_Batch([req]))
+        else:
+            self._pending.append(req)
+            if self._timer is None:
+                self._timer = loop.call_later(self.window_s, self._flush)
         return await req.future
 
-    async def _call(self, prompts: list[list[int]], n: int, params: SamplingParams) -> SampleResult:
+    async def _call(self, members: list[_Request], prompts: list[list[int]], params: SamplingParams) -> SampleResult:
         self.calls += 1
-        return await run_in_threadpool(self._sample_fn, prompts, n, params)
+        try:
+            return await run_in_threadpool(self._sample_fn, prompts, members[0].n, params, step_router(members))
+        except StopGeneration:
+            self.stopped += 1
+            if self._on_stopped is not None:
+                self._on_stopped()
+            log.info("sample call stopped: every client left", extra={"requests": len(members)})
+            raise
+
+    def _start(self, batch: _Batch) -> None:
+        task = asyncio.get_running_loop().create_task(self._run_batch(batch))
+        self._tasks.add(task)  # a reference until it ends
+        task.add_done_callback(self._tasks.discard)
 
     def _flush(self) -> None:
         """The window closed: start one call per planned batch."""
@@ -157,9 +220,7 @@ class SampleBatcher:
         self._pending = []
         for batches in plan(waiting, self.max_sequences, self.max_context).values():
             for batch in batches:
-                task = asyncio.get_running_loop().create_task(self._run_batch(batch))
-                self._tasks.add(task)  # a reference until it ends
-                task.add_done_callback(self._tasks.discard)
+                self._start(batch)
 
     async def _run_batch(self, batch: _Batch) -> None:
         members = batch.members
@@ -168,7 +229,7 @@ class SampleBatcher:
         log.info("sample batch", extra={"requests": len(members), "prompts": len(prompts), "n": members[0].n,
                                         "max_tokens": params.max_tokens})
         try:
-            result = await self._call(prompts, members[0].n, params)
+            result = await self._call(members, prompts, params)
         except InvalidInput as exc:
             if len(members) == 1:
                 _settle(members[0].future, exc)
@@ -184,7 +245,7 @@ class SampleBatcher:
 
     async def _run_alone(self, req: _Request) -> None:
         try:
-            _settle(req.future, await self._call(req.prompts, req.n, req.params))
+            _settle(req.future, await self._call([req], req.prompts, req.params))
         except Exception as exc:  # noqa: BLE001 - handed to the request's caller (not swallowed)
             _settle(req.future, exc)
 

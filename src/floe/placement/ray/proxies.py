@@ -28,6 +28,7 @@ from floe.backend.weights import Fingerprint, WeightsSnapshot
 from floe.compute.losses import LossSpec
 from floe.errors import FloeError, StateError, WorkerFailed
 from floe.placement.ray.calls import Call, gather, one
+from floe.sampler.engine import OnStep, replay_steps
 from floe.types import Batch, ForwardBackwardResult, ForwardResult, OptimStepResult, SampleResult, SamplingParams
 
 __all__ = ["RayPolicy", "RayReference", "RaySamplerGroup"]
@@ -157,14 +158,25 @@ class RaySamplerGroup(SamplerZone):
     def validate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> None:
         one(Call("sampler", 0, self.replicas[0].call.remote("validate", prompts, n, params)), self.timeout_s)
 
-    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[int]) -> SampleResult:
+    @property
+    def streams_tokens(self) -> bool:
+        """False: replicas answer whole samples; `on_step` is replayed from them (`replay_steps`)."""
+        return False
+
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[int],
+                 on_step: OnStep | None = None) -> SampleResult:
+        """Fan out over the replicas and merge; with `on_step`, the merged samples are replayed
+        as steps afterwards (the tokens are those a live engine would report, only later)."""
         parts = [r for r in split_prompts(len(prompts), n, len(self.replicas)) if len(r)] or [range(0)]
         calls = [
             Call("sampler", i, self.replicas[i].call.remote(
                 "generate", [prompts[k] for k in part], n, params, [seeds[k] for k in part]))
             for i, part in enumerate(parts)
         ]
-        return merge_results(gather(calls, self.timeout_s))
+        result = merge_results(gather(calls, self.timeout_s))
+        if on_step is not None:
+            replay_steps(result.groups, on_step)
+        return result
 
     def held_dtypes(self) -> dict[str, str]:
         """The dtypes the replicas' engines hold (the same config everywhere: replica 0's, asked once)."""

@@ -22,8 +22,11 @@ with `param` the field as the user wrote it (`max_tokens`, `prompt[1]`, `message
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -32,11 +35,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from floe.backend.validation import MAX_TOP_LOGPROBS
 from floe.errors import InvalidInput
+from floe.sampler.engine import OnStep
 from floe.server.batching import SampleBatcher
 from floe.server.bodies import parse_json_object
 from floe.server.connections import until_disconnected
 from floe.server.errors import ApiError
-from floe.server.protocols.openai_render import Answer, Renderer, render, stream
+from floe.server.protocols.openai_render import Answer, LiveStream, Renderer, render
 from floe.server.state import ServerState
 from floe.types import SampleResult, SamplingParams
 
@@ -253,58 +257,103 @@ def openai_error_response(error: ApiError) -> JSONResponse:
 
 # -- routes ------------------------------------------------------------------------------------
 
+STREAMING_HEADER = "X-Floe-Token-Streaming"  # "live" (tokens sent as generated) | "replayed" (after the call)
 
-def openai_router(state: ServerState) -> APIRouter:
-    router = APIRouter(prefix=PREFIX)
-    backend = state.backend
-    tokenizer: Any = backend.tokenizer  # a transformers tokenizer; its stubs are narrower than its behaviour
-    config = state.config
-    batcher = SampleBatcher(
-        backend.sample, window_s=config.openai_batch_window_ms / 1000,
-        max_sequences=config.openai_batch_max_sequences, max_context=backend.max_context,
-    )
-    accepted_models = {state.model_name, backend.config.model}
+SampleCall = Callable[[list[list[int]], int, SamplingParams, OnStep | None], Awaitable[SampleResult]]
 
-    def check_model(model: str | None) -> None:
-        if model is not None and model not in accepted_models:
-            raise ApiError(404, "model_not_found", f"this server serves {state.model_name!r}, not {model!r}", "model")
 
-    async def sample(request: Request, prompts: list[list[int]], n: int, params: SamplingParams, fields: dict[str, str],
-                     prompt_field: Any) -> SampleResult:
+@dataclass
+class Target:
+    """What one OpenAI-style request samples from: the model name answers carry, its tokenizer
+    and context, the sample call (prompts, n, params, on_step) -> result (awaitable; cancelling
+    it must stop the generation), and whether steps are `live` or `replayed`."""
+
+    name: str
+    tokenizer: Any
+    max_context: int
+    sample: SampleCall
+    streaming: str  # "live" | "replayed"
+    on_result: Callable[[SampleResult], None] = lambda result: None  # metrics
+
+
+def stop_ids(params: SamplingParams, tokenizer: Any) -> frozenset[int]:
+    """The token ids that end a sample under `params` (as the engines stop): `stop_token_ids`,
+    and the tokenizer's eos with `stop_at_eos`."""
+    ids = set(params.stop_token_ids)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if params.stop_at_eos and isinstance(eos, int):
+        ids.add(eos)
+    return frozenset(ids)
+
+
+def add_openai_routes(router: APIRouter, resolve: Callable[[Request, str | None], Awaitable[Target]],
+                      models: Callable[[Request], Awaitable[dict[str, Any]]]) -> None:
+    """`GET /models`, `POST /completions` and `POST /chat/completions` on `router`, sampling
+    from the `Target` that `resolve(request, model)` names (an ApiError, e.g. 404
+    `model_not_found`, refuses the request). Shared by `/v1` and Tinker's `/oai/api/v1`."""
+
+    async def sample(request: Request, target: Target, prompts: list[list[int]], n: int, params: SamplingParams,
+                     fields: dict[str, str], prompt_field: Any, on_step: OnStep | None = None) -> SampleResult:
         try:
-            result = await until_disconnected(request, batcher.sample(prompts, n, params))
+            result = await until_disconnected(request, target.sample(prompts, n, params, on_step))
         except InvalidInput as e:
-            raise ApiError(400, error_code(e.field, prompts, backend.max_context), e.message,
+            raise ApiError(400, error_code(e.field, prompts, target.max_context), e.message,
                            user_field(e.field, fields, prompt_field)) from None
-        state.metrics.tokens_sampled.inc(result.num_tokens)
+        target.on_result(result)
         return result
 
-    def answer(req: _SamplingFields, ans: Answer) -> Any:
-        rn = Renderer(tokenizer, ans.stop)
-        if req.stream:
-            ans.include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(stream(ans, rn), media_type="text/event-stream")
-        return render(ans, rn)
+    async def answer(request: Request, target: Target, req: _SamplingFields, kind: str, prompts: list[list[int]],
+                     n: int, params: SamplingParams, fields: dict[str, str], prompt_field: Any, logprobs: bool,
+                     top: int) -> Any:
+        rn = Renderer(target.tokenizer, params.stop, stop_ids(params, target.tokenizer))
+        if not req.stream:
+            result = await sample(request, target, prompts, n, params, fields, prompt_field)
+            return render(Answer(kind, target.name, result, params.stop, logprobs, top), rn)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        live = LiveStream(kind, target.name, prompts, n, rn, logprobs, top, include_usage)
+        call = asyncio.ensure_future(sample(request, target, prompts, n, params, fields, prompt_field, live.put_steps))
+        call.add_done_callback(lambda _: live.end())
+        started = False
+        try:
+            # The first step or the end: a refused request is answered with its error status
+            # (nothing was sent yet), a running one streams.
+            started = await until_disconnected(request, live.first())
+            if not started and call.exception() is not None:
+                raise call.exception()  # type: ignore[misc]
+            started = True
+        finally:
+            if not started:
+                call.cancel()
+
+        async def events() -> Any:
+            try:
+                async for event in live.events(call):
+                    yield event
+            finally:
+                if not call.done():  # the client left: every member gone stops the engine
+                    call.cancel()
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={STREAMING_HEADER: target.streaming})
 
     @router.get("/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0, "owned_by": "floe",
-                                            "max_model_len": backend.max_context}]}
+    async def list_models(request: Request) -> dict[str, Any]:
+        return await models(request)
 
     @router.post("/completions")
     async def completions(request: Request) -> Any:
         req: CompletionRequest = parse(CompletionRequest, await request.body())
-        check_model(req.model)
-        prompts, single = completion_prompts(req.prompt, tokenizer)
+        target = await resolve(request, req.model)
+        prompts, single = completion_prompts(req.prompt, target.tokenizer)
         params = sampling_params(req, req.max_tokens or DEFAULT_MAX_TOKENS, req.logprobs or 0)
         fields = {"top_logprobs": "logprobs", "stop_at_eos": "ignore_eos"}
-        result = await sample(request, prompts, req.n or 1, params, fields, lambda i: "prompt" if single else f"prompt[{i}]")
-        return answer(req, Answer("completion", state.model_name, result, params.stop, req.logprobs is not None, req.logprobs or 0))
+        return await answer(request, target, req, "completion", prompts, req.n or 1, params, fields,
+                            lambda i: "prompt" if single else f"prompt[{i}]", req.logprobs is not None, req.logprobs or 0)
 
     @router.post("/chat/completions")
     async def chat(request: Request) -> Any:
         req: ChatRequest = parse(ChatRequest, await request.body())
-        check_model(req.model)
+        target = await resolve(request, req.model)
+        tokenizer = target.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise ApiError(400, "invalid_value", "the model's tokenizer has no chat template; use /v1/completions", "messages")
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in req.messages]
@@ -313,15 +362,45 @@ def openai_router(state: ServerState) -> APIRouter:
         limit_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens or req.max_tokens
         if max_tokens is None:  # as vLLM: whatever context the prompt leaves
-            max_tokens = backend.max_context - len(prompt)
+            max_tokens = target.max_context - len(prompt)
             limit_field = "messages"
             if max_tokens < 1:
                 raise ApiError(400, "context_length_exceeded",
-                               f"the rendered prompt has {len(prompt)} tokens; the model's context is {backend.max_context}",
+                               f"the rendered prompt has {len(prompt)} tokens; the model's context is {target.max_context}",
                                "messages")
         params = sampling_params(req, max_tokens, req.top_logprobs or 0)
         fields = {"max_tokens": limit_field, "stop_at_eos": "ignore_eos"}
-        result = await sample(request, [prompt], req.n or 1, params, fields, lambda i: "messages")
-        return answer(req, Answer("chat", state.model_name, result, params.stop, bool(req.logprobs), req.top_logprobs or 0))
+        return await answer(request, target, req, "chat", [prompt], req.n or 1, params, fields, lambda i: "messages",
+                            bool(req.logprobs), req.top_logprobs or 0)
 
+
+def openai_router(state: ServerState) -> APIRouter:
+    """The `/v1` routes on the shared backend's sampler (the operator's), batched (`SampleBatcher`)."""
+    router = APIRouter(prefix=PREFIX)
+    backend = state.backend
+    config = state.config
+    batcher = SampleBatcher(
+        backend.sample_streaming, window_s=config.openai_batch_window_ms / 1000,
+        max_sequences=config.openai_batch_max_sequences, max_context=backend.max_context,
+        on_stopped=state.metrics.sample_calls_stopped.inc,
+    )
+    router.batcher = batcher  # type: ignore[attr-defined]  # for tests
+    accepted_models = {state.model_name, backend.config.model}
+
+    def on_result(result: SampleResult) -> None:
+        state.metrics.tokens_sampled.inc(result.num_tokens)
+
+    target = Target(state.model_name, backend.tokenizer, backend.max_context, batcher.sample,
+                    "live" if backend.streams_tokens else "replayed", on_result)
+
+    async def resolve(request: Request, model: str | None) -> Target:
+        if model is not None and model not in accepted_models:
+            raise ApiError(404, "model_not_found", f"this server serves {state.model_name!r}, not {model!r}", "model")
+        return target
+
+    async def models(request: Request) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0, "owned_by": "floe",
+                                            "max_model_len": backend.max_context}]}
+
+    add_openai_routes(router, resolve, models)
     return router

@@ -189,7 +189,7 @@ def vllm_router(state: ServerState, gate: PauseGate) -> APIRouter:
     router = APIRouter()
     backend = state.backend
     config = state.config
-    batcher = SampleBatcher(backend.sample, window_s=config.openai_batch_window_ms / 1000,
+    batcher = SampleBatcher(backend.sample_streaming, window_s=config.openai_batch_window_ms / 1000,
                             max_sequences=config.openai_batch_max_sequences, max_context=backend.max_context)
     accepted_models = {state.model_name, backend.config.model}
 
