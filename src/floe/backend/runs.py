@@ -63,6 +63,7 @@ from floe.errors import InvalidInput, StateError
 from floe.models import load_model
 from floe.models.loading import context_length
 from floe.models.lora import AdapterHost, LoraSpec, load_tensors
+from floe.sampler.engine import OnStep
 from floe.sampler.noise import derive, derive_tensor, uniforms
 from floe.sampler.torch_engine import TorchEngine
 from floe.types import (
@@ -642,17 +643,19 @@ class RunManager:
         with self._load_lock:
             return int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
 
-    def sample(self, sampler: SamplerInfo, prompt: list[int], n: int, params: SamplingParams) -> SampledGroup:
-        """n samples of `prompt` with the sampler's weights, stamped with its version."""
+    def sample(self, sampler: SamplerInfo, prompt: list[int], n: int, params: SamplingParams,
+               on_step: OnStep | None = None) -> SampledGroup:
+        """n samples of `prompt` with the sampler's weights, stamped with its version; `on_step`:
+        the engine's step callback (rows 0..n-1; what it raises stops the call and propagates)."""
         validate_prompts([prompt], n, params, self.vocab_size, self.max_context)
         frozen = self._frozen_model(sampler) if sampler.full else None
         engine = frozen.engine if frozen is not None else self._engine_for()
         engine.validate([prompt], n, params)
         seed = params.seed if params.seed is not None else self.draw_seed()
         if frozen is not None:  # a frozen whole model: nothing to switch, nothing to lock
-            return engine.generate([prompt], n, params, prompt_seeds(seed, 1), sampler.version)[0]
+            return engine.generate([prompt], n, params, prompt_seeds(seed, 1), sampler.version, on_step)[0]
         with self._on(sampler):
-            return engine.generate([prompt], n, params, prompt_seeds(seed, 1), sampler.version)[0]
+            return engine.generate([prompt], n, params, prompt_seeds(seed, 1), sampler.version, on_step)[0]
 
     def prompt_logprobs(self, sampler: SamplerInfo, prompt: list[int]) -> list[float]:
         """log p(prompt[i] | prompt[:i]) for i >= 1 (len(prompt) - 1 values), by floe's scoring."""

@@ -52,6 +52,7 @@ from floe.server.ordering import Reply
 from floe.server.protocols.openai import PREFIX as OPENAI_PREFIX
 from floe.server.protocols.openai import openai_error_response, openai_router
 from floe.server.protocols.tinker import tinker_router
+from floe.server.protocols.tinker.oai import OAI_PREFIX, tinker_oai_router
 from floe.server.protocols.vllm_compat import install as install_vllm_compat
 from floe.server.settings import ServerConfig
 from floe.server.state import ServerState, error_response
@@ -75,8 +76,8 @@ def create_app(backend: Backend, config: ServerConfig) -> FastAPI:
     app.state.floe = state
 
     def respond(path: str, error: ApiError) -> JSONResponse:
-        """floe's error body, or OpenAI's under /v1."""
-        if path == OPENAI_PREFIX or path.startswith(OPENAI_PREFIX + "/"):
+        """floe's error body, or OpenAI's under /v1 and Tinker's /oai/api/v1."""
+        if any(path == p or path.startswith(p + "/") for p in (OPENAI_PREFIX, OAI_PREFIX)):
             return openai_error_response(error)
         return error_response(error)
 
@@ -175,6 +176,7 @@ def create_app(backend: Backend, config: ServerConfig) -> FastAPI:
     app.include_router(openai_router(state))
     tinker = tinker_router(state)  # tenants kept apart by the Tinker service itself
     app.include_router(tinker)
+    app.include_router(tinker_oai_router(tinker.tinker_service))  # type: ignore[attr-defined]  # Tinker's OpenAI-compatible routes
     on_shutdown.append(tinker.tinker_service.close)  # type: ignore[attr-defined]
     # Outermost, so that nothing (the pause gate included) runs before a request is admitted.
     app.add_middleware(Edge, config=config, render=respond, observe=state.metrics.observe_request)

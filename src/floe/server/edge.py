@@ -41,6 +41,7 @@ __all__ = ["OPEN_PATHS", "TINKER_PREFIX", "Edge", "principal_of"]
 
 OPEN_PATHS = frozenset({"/health", "/ready"})
 TINKER_PREFIX = "/api/v1"
+TINKER_OAI_PREFIX = "/oai/api/v1"  # Tinker's OpenAI-compatible routes (tinker/oai.py): tenants too
 SIGNED_PREFIX = "/api/v1/download/"  # signed, expiring URLs: the signature is the credential (tinker/routes.py)
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 _WILDCARDS = frozenset({"0.0.0.0", "::", ""})
@@ -69,7 +70,8 @@ def _is_loopback_name(name: str) -> bool:
 
 
 def is_tinker_path(path: str) -> bool:
-    return path == TINKER_PREFIX or path.startswith(TINKER_PREFIX + "/")
+    """Whether `path` is a Tinker route (`/api/v1`, or its OpenAI-compatible `/oai/api/v1`)."""
+    return any(path == p or path.startswith(p + "/") for p in (TINKER_PREFIX, TINKER_OAI_PREFIX))
 
 
 class Edge:
