@@ -115,9 +115,7 @@ def test_a_client_that_disconnects_mid_stream_stops_the_engine(sdk: openai.OpenA
         stream = sdk.chat.completions.create(messages=HI, **args)
     else:
         stream = sdk.completions.create(prompt="ab", **args)
-    seen = 0
-    for _chunk in stream:
-        seen += 1
+    for seen, _chunk in enumerate(stream, start=1):
         if seen == 20:
             break
     stream.close()  # the connection goes: the server sees the disconnect

@@ -77,8 +77,8 @@ def test_base_model_and_own_checkpoint_sample_and_stream(setup, tinker_model: Pa
         for choice in whole.choices:
             mine_chunks = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
             assert "".join(c.text for c in mine_chunks) == choice.text
-            assert sum((c.model_extra["token_ids"] for c in mine_chunks), []) == choice.model_extra["token_ids"]
-            assert sum((c.logprobs.token_logprobs for c in mine_chunks if c.logprobs), []) == \
+            assert [t for c in mine_chunks for t in c.model_extra["token_ids"]] == choice.model_extra["token_ids"]
+            assert [lp for c in mine_chunks if c.logprobs for lp in c.logprobs.token_logprobs] == \
                 choice.logprobs.token_logprobs
         chat = mine.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
                                             seed=2)

@@ -68,7 +68,7 @@ OnStep = Callable[[list[StepToken]], None]
 one per row, rows ascending). Runs in the generating thread; raising stops the generation."""
 
 
-class StopGeneration(Exception):  # noqa: N818 - a signal, not an error
+class StopGeneration(Exception):
     """Raised by an `OnStep` callback to stop the generation (every client of it has left);
     propagates out of `generate` / `sample` unchanged."""
 
