@@ -137,3 +137,55 @@ def test_a_real_server_batches_concurrent_sdk_requests(start_server, tmp_path: P
     batches = [r for r in records if r.get("msg") == "sample batch"]
     assert sum(r["requests"] for r in batches) == 16
     assert len(batches) < 16 and max(r["requests"] for r in batches) > 1
+
+
+def test_merged_requests_get_their_own_rows_steps_cut_at_their_own_max_tokens(backend) -> None:
+    """Two requests merged into one call (different prompts counts and max_tokens): each one's
+    on_step sees only its own rows, numbered from 0, at most its own max_tokens per row, and
+    they reassemble exactly to its own result."""
+    b = batcher(backend)
+    got: list[dict[int, list[int]]] = [{}, {}]
+
+    def collector(i: int):
+        def on_step(steps) -> None:
+            for st in steps:
+                got[i].setdefault(st.row, []).append(st.token)
+        return on_step
+
+    async def main() -> list:
+        return await asyncio.gather(
+            b.sample([[1, 2, 3]], 2, params(5, stop_at_eos=False), collector(0)),
+            b.sample([[4, 5], [6, 7, 8]], 2, params(9, stop_at_eos=False), collector(1)))
+
+    results = asyncio.run(main())
+    assert b.calls == 1
+    for mine, result in zip(got, results):
+        rows = [s.tokens for g in result.groups for s in g.samples]
+        assert [mine[r] for r in range(len(rows))] == rows
+
+
+def test_a_call_whose_requests_are_all_cancelled_stops_in_the_engine(backend) -> None:
+    """Every member cancelled while its call decodes: the step callback raises StopGeneration,
+    so the engine stops (the batcher counts the call as stopped)."""
+    b = batcher(backend, window_s=0)
+    seen = 0
+
+    async def main() -> None:
+        nonlocal seen
+        first = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def on_step(steps) -> None:
+            nonlocal seen
+            seen += 1
+            loop.call_soon_threadsafe(first.set)
+
+        task = asyncio.ensure_future(b.sample([[1, 2, 3]], 4, params(900, stop_at_eos=False), on_step))
+        await first.wait()
+        task.cancel()
+        while not b.stopped and b._tasks:  # the call ends once the engine stopped
+            await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    assert b.stopped == 1
+    assert seen < 900
