@@ -37,11 +37,12 @@ def _reassembled(steps: list[list[StepToken]], rows: int) -> list[list[StepToken
     return per
 
 
-@pytest.mark.parametrize("top", [0, 3])
-def test_step_tokens_reassemble_to_the_samples(engine_client: floe.Client, top: int) -> None:
+@pytest.mark.parametrize(("top", "temperature"), [(0, 1.0), (3, 1.0), (2, 0.0)])
+def test_step_tokens_reassemble_to_the_samples(engine_client: floe.Client, top: int, temperature: float) -> None:
+    """Sampled and greedy (vLLM answers one greedy sample per prompt, reported for all n rows)."""
     tok = engine_client.tokenizer()
     prompts = [tok.encode("stream me"), tok.encode("a"), tok.encode("another prompt here")]
-    params = floe.SamplingParams(max_tokens=12, temperature=1.0, seed=5, stop=["e"], top_logprobs=top)
+    params = floe.SamplingParams(max_tokens=12, temperature=temperature, seed=5, stop=["e"], top_logprobs=top)
     result, steps = _collect(engine_client, prompts, 3, params)
     rows = _rows(result)
     per = _reassembled(steps, len(rows))

@@ -414,10 +414,13 @@ class VllmEngine:
         engine = self.llm.llm_engine
         ids: list[str] = []
         try:
-            for prompt, request in zip(inputs, requests, strict=True):
+            index: dict[str, int] = {}
+            for gi, (prompt, request) in enumerate(zip(inputs, requests, strict=True)):
                 request.output_kind = RequestOutputKind.DELTA
-                ids.append(engine.add_request(str(next(self.llm.request_counter)), prompt, request))
-            index = {rid: i for i, rid in enumerate(ids)}
+                rid = str(next(self.llm.request_counter))
+                internal = engine.add_request(rid, prompt, request)
+                ids.append(rid)
+                index[rid] = index[internal] = gi  # outputs carry the id given (vLLM may add a suffix inside)
             done: list[_Streamed] = [_Streamed(r.n) for r in requests]
             while engine.has_unfinished_requests():
                 fresh: list[tuple[int, int, float, Any]] = []  # (row, token, logprob, position logprobs)
@@ -446,9 +449,10 @@ class VllmEngine:
                                  for row, tok, lp, step in now])
             return done
         except BaseException:
-            unfinished = [rid for rid in ids if rid]
-            if unfinished and engine.has_unfinished_requests():
-                engine.abort_request(unfinished)
+            if ids and engine.has_unfinished_requests():
+                engine.abort_request(ids)  # the ids given (external): vLLM maps them to its own
+                while engine.has_unfinished_requests():  # nothing of this call is left for the next one
+                    engine.step()
             raise
 
     # -- helpers ----------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Tinker's OpenAI-compatible routes (`/oai/api/v1`) against a real `floe serve` with two Tinker
 keys, driven by the real `openai` SDK (the key as a Bearer token, as the SDK sends it); the
-Tinker side is set up over raw HTTP (no tinker SDK needed, so this runs in the core suite).
+Tinker side is set up over raw HTTP (no tinker SDK needed, so this runs in the core suite;
+it lives here, not in tests/tinker, whose suite runs in the SDK's env, which has no openai).
 
 Covers: a base model id, a key's own `tinker://.../sampler_weights/...` path and `<base>;<path>`
 (the checkpoint's samples, equal to the native Tinker sampler's), streaming equal to the whole
@@ -16,8 +17,9 @@ import numpy as np
 import openai
 import pytest
 
+from floe.models import make_tiny
 from floe.server.protocols.tinker import schema
-from tests.tinker.conftest import API_KEY
+from tests.tinker.conftest import API_KEY, start_tinker_server
 
 OTHER_KEY = "tml-floe-oai-other"
 KEYS = f'tinker_api_keys = ["{API_KEY}", "{OTHER_KEY}"]\n'
@@ -49,9 +51,13 @@ def _checkpoint(server_url: str, key: str, model: Path, name: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory, tinker_model: Path):
-    from tests.tinker.conftest import start_tinker_server  # noqa: PLC0415
+def tinker_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("oai-models") / "a" / "tiny", hidden_size=32, intermediate_size=64,
+                     num_hidden_layers=2)
 
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory, tinker_model: Path):
     server = start_tinker_server(tmp_path_factory.mktemp("oai"), tinker_model, KEYS)
     path = _checkpoint(server.url, API_KEY, tinker_model, "oai-a")
     mine = openai.OpenAI(base_url=f"{server.url}/oai/api/v1", api_key=API_KEY, max_retries=0, timeout=120)
