@@ -5,7 +5,8 @@ KV-cache engine that runs in this process; `kv_cache` its preallocated cache. On
 package knows which engine generates.
 """
 
-from floe.sampler.engine import SamplerEngine
+from floe.sampler.engine import OnStep, SamplerEngine, StepToken, StopGeneration, replay_steps
 from floe.sampler.registry import ENGINES, EngineSource, build_engine
 
-__all__ = ["ENGINES", "EngineSource", "SamplerEngine", "build_engine"]
+__all__ = ["ENGINES", "EngineSource", "OnStep", "SamplerEngine", "StepToken", "StopGeneration", "build_engine",
+           "replay_steps"]

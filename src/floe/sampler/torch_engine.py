@@ -10,6 +10,7 @@ chunk for prompt width + max_tokens positions, so a decode step writes one posit
 of re-concatenating the whole cache.
 
 A chunk runs as: `_prefill` → repeat { `draw_tokens` → `_Rows.record` (finished rows) →
+`on_step` (the step's token of every row that drew one, when a callback is given) →
 `_decode_step` } → `_Rows.pack`. Every piece of per-call state (cache, mask, rows) lives in
 locals of the call, so concurrent `generate` calls on one engine are safe.
 
