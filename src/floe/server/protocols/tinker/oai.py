@@ -16,7 +16,8 @@ deleted or expired one, a path that never existed) answers the same 404 `model_n
 which says nothing about whether the path exists. The key comes as `Authorization: Bearer
 <key>` (what the openai SDK and Tinker's docs send) or `X-API-Key`; the edge resolves it.
 
-Bounds: the service's `tinker_max_samples_per_request` (prompts x n) and
+Errors are OpenAI's shape (as under `/v1`), their messages scrubbed of server paths as on the
+Tinker routes. Bounds: the service's `tinker_max_samples_per_request` (prompts x n) and
 `tinker_max_sampled_tokens_per_request` (prompts x n x max_tokens), checked before any work.
 Sampling runs in a worker thread on the sampler's weights (`residency.Residency.sampler` pins
 them in memory), one prompt after another; the torch engine reports tokens as it draws them, so
@@ -37,7 +38,7 @@ from floe.backend.validation import validate_prompts
 from floe.errors import InvalidInput, NotFound
 from floe.sampler.engine import OnStep, StepToken, StopGeneration
 from floe.server.edge import principal_of
-from floe.server.errors import ApiError
+from floe.server.errors import ApiError, to_api_error
 from floe.server.principals import Principal
 from floe.server.protocols.openai import Target, add_openai_routes
 from floe.server.protocols.tinker.service import TinkerService
@@ -121,6 +122,12 @@ def tinker_oai_router(service: TinkerService) -> APIRouter:
             except asyncio.CancelledError:
                 gone.set()  # the engine stops at its next step
                 raise
+            except (InvalidInput, StopGeneration):
+                raise
+            except Exception as exc:  # noqa: BLE001 - re-raised, scrubbed: no server path in the message
+                error = to_api_error(exc)
+                error.message = service.scrub(error.message)
+                raise error from None
 
         return Target(model or "", manager.tokenizer, manager.max_context, sample, "live")
 
