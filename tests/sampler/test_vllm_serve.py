@@ -98,3 +98,35 @@ def test_chat_logprobs_agree_with_the_policy(sdk: openai.OpenAI, native: floe.Cl
         assert entry.logprob == pytest.approx(float(expected[token]), abs=1e-4)
         assert [a.logprob for a in entry.top_logprobs] == pytest.approx(torch.topk(expected, 2).values.tolist(), abs=1e-4)
     assert out.usage.completion_tokens == len(ids)
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_streamed_tokens_equal_the_whole_answer_on_vllm(sdk: openai.OpenAI, native: floe.Client, kind: str) -> None:
+    """vLLM streams live (its own DELTA step loop): the streamed ids, log-probs and text of a
+    seeded request equal the whole answer's, n > 1 and a stop string included."""
+    assert native.info().capabilities["sampler_streams_tokens"] is True
+    args = {"model": next(m.id for m in sdk.models.list()), "max_tokens": 16, "n": 2, "seed": 3, "stop": ["a"]}
+    if kind == "chat":
+        msgs = [{"role": "user", "content": "hi"}]
+        whole = sdk.chat.completions.create(messages=msgs, logprobs=True, **args)
+        raw = sdk.chat.completions.with_raw_response.create(messages=msgs, logprobs=True, stream=True, **args)
+    else:
+        whole = sdk.completions.create(prompt="ab", logprobs=0, **args)
+        raw = sdk.completions.with_raw_response.create(prompt="ab", logprobs=0, stream=True, **args)
+    assert raw.headers["x-floe-token-streaming"] == "live"
+    got: dict[int, dict] = {i: {"ids": [], "lps": [], "text": ""} for i in range(2)}
+    for chunk in raw.parse():
+        for ch in chunk.choices:
+            g = got[ch.index]
+            g["ids"] += ch.model_extra.get("token_ids") or []
+            if kind == "chat":
+                g["text"] += ch.delta.content or ""
+                g["lps"] += [e.logprob for e in ch.logprobs.content] if ch.logprobs else []
+            else:
+                g["text"] += ch.text
+                g["lps"] += ch.logprobs.token_logprobs if ch.logprobs else []
+    for c in whole.choices:
+        text = c.message.content if kind == "chat" else c.text
+        lps = [e.logprob for e in c.logprobs.content] if kind == "chat" else c.logprobs.token_logprobs
+        assert (got[c.index]["ids"], got[c.index]["lps"], got[c.index]["text"]) == \
+            (c.model_extra["token_ids"], lps, text)
