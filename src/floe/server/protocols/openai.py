@@ -276,6 +276,22 @@ class Target:
     on_result: Callable[[SampleResult], None] = lambda result: None  # metrics
 
 
+class _ClosingStream(StreamingResponse):
+    """A StreamingResponse that calls `on_close` however it ends: sent in full, failed, or cut
+    by a disconnect (also one before the body iterator ever started, which then never runs
+    its own `finally`)."""
+
+    def __init__(self, content: Any, on_close: Callable[[], None], **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
 def stop_ids(params: SamplingParams, tokenizer: Any) -> frozenset[int]:
     """The token ids that end a sample under `params` (as the engines stop): `stop_token_ids`,
     and the tokenizer's eos with `stop_at_eos`."""
@@ -325,15 +341,12 @@ def add_openai_routes(router: APIRouter, resolve: Callable[[Request, str | None]
             if not started:
                 call.cancel()
 
-        async def events() -> Any:
-            try:
-                async for event in live.events(call):
-                    yield event
-            finally:
-                if not call.done():  # the client left: every member gone stops the engine
-                    call.cancel()
+        def close() -> None:
+            if not call.done():  # the client left (or the stream failed): the engine stops at its next step
+                call.cancel()
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers={STREAMING_HEADER: target.streaming})
+        return _ClosingStream(live.events(call), close, media_type="text/event-stream",
+                              headers={STREAMING_HEADER: target.streaming})
 
     @router.get("/models")
     async def list_models(request: Request) -> dict[str, Any]:
