@@ -147,3 +147,34 @@ def test_credentials_and_base_mismatch(setup, tinker_model: Path) -> None:
     r = httpx.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
                    json={"prompt": "a"}, timeout=60)
     assert r.status_code == 403
+
+
+def test_oai_requests_count_against_the_keys_queue_bound(tmp_path: Path, tinker_model: Path) -> None:
+    """The `/oai` routes take their turn in the key's queue like `asample`: with the key's
+    [server] tinker_max_queued_per_key filled by requests waiting for their turn (forward_backward
+    with gapped seq_ids, waiting for seq 1), an `/oai` completion is refused at once with 429,
+    and another key's is answered; so no key steps around the bound through `/oai`."""
+    from tests.tinker.wire import add_datum, request
+
+    server = start_tinker_server(tmp_path, tinker_model, KEYS + "tinker_max_queued_per_key = 2\n"
+                                 "sequence_timeout_s = 600\n")
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            sid = _post(client, API_KEY, "create_session", {"tags": [], "user_metadata": {}}).json()["session_id"]
+            made = _post(client, API_KEY, "create_model", {"session_id": sid, "model_seq_id": 0,
+                                                           "base_model": str(tinker_model), "lora_config": {"rank": 4}})
+            _answer(client, API_KEY, made.json()["request_id"])
+            for seq in (10, 11):  # seq 1 never comes: these wait for their turn
+                msg = request("cross_entropy", model_id=made.json()["model_id"], seq_id=seq)
+                add_datum(msg, [1, 2, 3], {"target_tokens": [2, 3, 4]})
+                sent = client.post("/api/v1/forward_backward", content=msg.SerializeToString(),
+                                   headers={"X-API-Key": API_KEY})
+                assert sent.status_code == 200, sent.text
+            body = {"model": str(tinker_model), "prompt": "ab", "max_tokens": 2}
+            refused = client.post("/oai/api/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+            assert refused.status_code == 429, refused.text
+            assert "tinker_max_queued_per_key" in refused.json()["error"]["message"]
+            other = client.post("/oai/api/v1/completions", json=body, headers={"Authorization": f"Bearer {OTHER_KEY}"})
+            assert other.status_code == 200 and len(other.json()["choices"]) == 1
+    finally:
+        server.stop()

@@ -36,6 +36,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from floe.errors import StateError
 from floe.locks import tenant
@@ -56,6 +57,8 @@ class _Entry:
         self.reply: Reply | None = None
         self.waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
 
+
+T = TypeVar("T")
 
 QUEUE_SETTING = "[server] tinker_max_queued_per_key"
 QUEUE_BYTES_SETTING = "[server] tinker_max_queued_mb_per_key"
@@ -200,6 +203,35 @@ class Futures:
             self.complete(rid, answer_of(job))
 
         self.schedule(owner, work)
+
+    async def call(self, owner: str, fn: Callable[[], T]) -> T:
+        """`fn()`'s result, run on a worker in `owner`'s turn like a queued job (admitted first:
+        ApiError 429 past the owner's bound), for routes that answer in the same request rather
+        than through a future (Tinker's `/oai/api/v1`), so they cannot step around the per-key
+        queue. A cancelled await does not stop `fn` once started; `fn` checks for that itself."""
+        self.admit(owner)
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[T] = loop.create_future()
+
+        def settle(result: T | None, error: BaseException | None) -> None:
+            if done.cancelled():
+                return
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(result)  # type: ignore[arg-type]
+
+        def work() -> None:
+            self.release(owner)
+            try:
+                result = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting request
+                loop.call_soon_threadsafe(settle, None, exc)
+            else:
+                loop.call_soon_threadsafe(settle, result, None)
+
+        self.schedule(owner, work)
+        return await done
 
     async def wait(self, rid: str, timeout_s: float) -> Reply | None:
         """The reply, waiting up to `timeout_s`; None when it is not ready yet."""

@@ -19,8 +19,9 @@ which says nothing about whether the path exists. The key comes as `Authorizatio
 Errors are OpenAI's shape (as under `/v1`), their messages scrubbed of server paths as on the
 Tinker routes. Bounds: the service's `tinker_max_samples_per_request` (prompts x n) and
 `tinker_max_sampled_tokens_per_request` (prompts x n x max_tokens), checked before any work.
-Sampling runs in a worker thread on the sampler's weights (`residency.Residency.sampler` pins
-them in memory), one prompt after another; the torch engine reports tokens as it draws them, so
+Sampling runs on the Tinker workers in the key's turn, under the same per-key queue bound as
+`asample` (`Futures.call`: 429 `too_many_requests` past it), on the sampler's weights
+(`residency.Residency.sampler` pins them in memory), one prompt after another; the torch engine reports tokens as it draws them, so
 streams are `live`; a client that disconnects stops the generation at the next step.
 """
 
@@ -118,7 +119,7 @@ def tinker_oai_router(service: TinkerService) -> APIRouter:
                 return SampleResult(groups, info.version, tokens, 0.0)
 
             try:
-                return await run_in_threadpool(run)
+                return await service.futures.call(who.id, run)  # in this key's turn, under its queue bound
             except asyncio.CancelledError:
                 gone.set()  # the engine stops at its next step
                 raise
