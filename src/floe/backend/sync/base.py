@@ -18,21 +18,22 @@ the cast tensors, so `verify` compares what the engine holds with the published 
 the same way (round to nearest even, as the engine's own copy would cast), and a bf16 engine
 gets half the bytes.
 
-A fingerprint (`floe.sampler.engine.fingerprint`, part of the engine contract) is the float64
-sum and sum of squares of one tensor. `WeightsSnapshot` and `Fingerprint` live in
+A fingerprint (`floe.sampler.engine.fingerprint`, part of the engine contract) is exact and
+order-independent: the wrapping int64 sum of a tensor's bytes read as int64 words, the sum of
+its 4096-word blocks' sums weighted by block index, its dtype and shape. Finiteness is a
+separate cheap check (`floe.sampler.engine.nonfinite`). `WeightsSnapshot` and `Fingerprint` live in
 `backend.weights`, below both this module and the zone protocols (re-exported here).
 """
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from floe.backend.weights import Fingerprint, WeightsSnapshot, fingerprint, fingerprints
+from floe.backend.weights import Fingerprint, WeightsSnapshot, fingerprint, fingerprints, nonfinite
 from floe.backend.zones import PolicyWorker, SamplerWorker
 from floe.errors import StateError
 
@@ -64,7 +65,7 @@ def cast_for(snapshot: WeightsSnapshot, dtypes: Mapping[str, str]) -> WeightsSna
 
 def check_publishable(snapshot: WeightsSnapshot) -> None:
     """StateError when any published tensor is not finite (nothing has moved yet)."""
-    broken = [name for name, fp in snapshot.fingerprints.items() if not all(math.isfinite(x) for x in fp)]
+    broken = nonfinite(snapshot.tensors)
     if broken:
         raise StateError(f"sync_weights: policy weights are not finite in {broken[:5]}; the sampler was not changed")
 

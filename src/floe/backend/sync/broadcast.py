@@ -29,7 +29,7 @@ larger) plus one header (≈ 100 bytes per tensor).
 
 Finite weights: the caller must refuse non-finite weights *before* anything is sent (the
 sharded policy's collective `all_finite()`, or `check_publishable` of a snapshot). As a last
-guard `send_weights` also checks every bucket's fingerprints before sending it and aborts the
+guard `send_weights` also checks every bucket's finiteness (`nonfinite`) before sending it and aborts the
 stream (StateError) if one is not finite; receivers then raise and their sampler stays
 incomplete (`SamplerZone.weights_complete`), so the Backend's version does not move.
 
@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from floe.errors import StateError
-from floe.sampler.engine import Fingerprint, fingerprints
+from floe.sampler.engine import Fingerprint, fingerprints, nonfinite
 
 if TYPE_CHECKING:
     from floe.backend.sampler import SamplerZone
@@ -124,7 +124,7 @@ def send_weights(
             if not bucket:
                 continue
             prints = fingerprints(bucket)
-            broken = [name for name, fp in prints.items() if not all(math.isfinite(x) for x in fp)]
+            broken = nonfinite(bucket)
             if broken:
                 raise StateError(f"sync_weights: policy weights are not finite in {broken[:5]}; the samplers' weights "
                                  "are incomplete until a sync succeeds")
