@@ -100,3 +100,20 @@ def test_check_publishable_names_the_non_finite_tensor():
     tensors["b"][0, 0] = float("inf")
     with pytest.raises(StateError, match="not finite in \\['b'\\]"):
         check_publishable(WeightsSnapshot(tensors, fingerprints(tensors), 0))
+
+
+def test_tied_tensors_are_sent_once_and_both_names_hold_them():
+    from floe.backend.sync import cast_tensors
+    from floe.sampler.engine import copy_in_place
+
+    w = torch.randn(8, 4)
+    published = {"embed": w, "lm_head": w, "norm": torch.randn(4)}
+    snapshot = WeightsSnapshot(published, fingerprints(published), 0)
+    assert snapshot.bytes == (32 + 4) * 4  # the tied tensor counted once
+    cast = cast_tensors(published, {"embed": "bfloat16", "lm_head": "bfloat16"})
+    assert cast["embed"] is cast["lm_head"]
+    assert WeightsSnapshot(cast, fingerprints(cast), 0).bytes == 32 * 2 + 4 * 4
+    shared = torch.zeros(8, 4)
+    own = {"embed": shared, "lm_head": shared, "norm": torch.zeros(4)}
+    copy_in_place(own, published, "test")
+    assert fingerprints(own) == fingerprints(published)

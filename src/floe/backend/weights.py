@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from floe.sampler.engine import Fingerprint, fingerprint, fingerprints, nonfinite
+from floe.sampler.engine import Fingerprint, fingerprint, fingerprints, nonfinite, unique_bytes
 
 __all__ = ["Fingerprint", "WeightsSnapshot", "fingerprint", "fingerprints", "nonfinite"]
 
@@ -32,4 +32,5 @@ class WeightsSnapshot:
 
     @property
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        """Bytes of one copy of the weights, tied tensors (one storage under two names) counted once."""
+        return unique_bytes(self.tensors)

@@ -121,15 +121,32 @@ def check_layout(
         raise StateError(f"{what} differ in shape: {wrong[:5]}")
 
 
+def tensor_key(t: torch.Tensor) -> tuple:
+    """What makes two tensor objects the same data: device, storage pointer, offset, shape,
+    strides, dtype (tied weights, e.g. embed_tokens / lm_head, share one key)."""
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def unique_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    """Bytes of `tensors`, each distinct tensor (`tensor_key`) counted once: what a sync moves."""
+    return sum(t.numel() * t.element_size() for t in {tensor_key(t): t for t in tensors.values()}.values())
+
+
 @torch.no_grad()
 def copy_in_place(
     own: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor], what: str, partial: bool = False
 ) -> None:
     """Copy `tensors` into `own`'s tensors in place (nothing reallocated) after `check_layout`
-    (`partial`: a subset of the names is allowed)."""
+    (`partial`: a subset of the names is allowed). Tied names (the same source tensor into
+    the same destination tensor, `tensor_key`) are copied once."""
     check_layout({k: tuple(v.shape) for k, v in own.items()}, tensors, what, partial)
+    done: set[tuple[tuple, tuple]] = set()
     for name, tensor in tensors.items():
+        pair = (tensor_key(own[name]), tensor_key(tensor))
+        if pair in done:  # tied names: the same source into the same destination, copied once
+            continue
         own[name].copy_(tensor)
+        done.add(pair)
 
 
 def dtype_names(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
@@ -145,7 +162,7 @@ def fingerprints(tensors: Mapping[str, torch.Tensor]) -> dict[str, Fingerprint]:
     seen: dict[tuple, Fingerprint] = {}
     out = {}
     for name, t in tensors.items():
-        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        key = tensor_key(t)
         if key not in seen:
             seen[key] = fingerprint(t)
         out[name] = seen[key]

@@ -36,6 +36,7 @@ import torch
 from floe.backend.weights import Fingerprint, WeightsSnapshot, fingerprint, fingerprints, nonfinite
 from floe.backend.zones import PolicyWorker, SamplerWorker
 from floe.errors import StateError
+from floe.sampler.engine import tensor_key
 
 __all__ = [
     "Fingerprint", "SyncReport", "WeightSync", "WeightsSnapshot", "cast_for", "cast_tensors", "check_publishable",
@@ -45,11 +46,19 @@ __all__ = [
 
 def cast_tensors(tensors: Mapping[str, torch.Tensor], dtypes: Mapping[str, str]) -> dict[str, torch.Tensor]:
     """`tensors` with each one cast to `dtypes[name]` (a dtype name; a copy only where the dtype
-    differs, the tensor itself otherwise; names without an entry are kept as they are)."""
-    out = {}
+    differs, the tensor itself otherwise; names without an entry are kept as they are). Tied
+    names (one tensor under two names) share one cast copy."""
+    out: dict[str, torch.Tensor] = {}
+    cast: dict[tuple, torch.Tensor] = {}  # tied names share one cast copy
     for name, t in tensors.items():
         want = dtypes.get(name)
-        out[name] = t if want is None or str(t.dtype).removeprefix("torch.") == want else t.to(getattr(torch, want))
+        if want is None or str(t.dtype).removeprefix("torch.") == want:
+            out[name] = t
+        else:
+            key = (*tensor_key(t), want)
+            if key not in cast:
+                cast[key] = t.to(getattr(torch, want))
+            out[name] = cast[key]
     return out
 
 
