@@ -177,7 +177,8 @@ def local_arms(model: str, reps: int, progress: Any) -> dict[str, Any]:
     result["local_inplace_s"] = timed(local, reps)
     progress.advance(task)
     print(f"{model}: local in-place min {min(result['local_inplace_s']):.3f} s", flush=True)
-    del src, dst  # bound peak memory: two copies of the weights at a time
+    src.clear()  # bound peak memory: two copies of the weights at a time
+    dst.clear()
     flat_src = torch.empty(size, dtype=torch.uint8).fill_(1)
     flat_dst = torch.empty_like(flat_src)
     result["memcpy_s"] = timed(lambda: flat_dst.copy_(flat_src), reps)
