@@ -1,6 +1,6 @@
 """Weight sync across processes on CPU: seconds and bytes per sync, against memcpy bandwidth.
 
-For the tests' tiny Qwen3 (fp32, hidden 64, 2 layers) and a Qwen3-0.6B-shaped model (bf16,
+For the tests' tiny Qwen3 (fp32, hidden 64, 2 layers) and Qwen3-0.6B/1.7B-shaped models (bf16,
 the real dimensions from bench_gpu.SHAPES, random values), with the tensors a sync moves (the
 model's state dict, built on the meta device and filled at random):
 
@@ -11,7 +11,10 @@ model's state dict, built on the meta device and filled at random):
   copy each bucket in place and fingerprint what they hold; timed from a barrier before to a
   barrier after (every receiver done); the receivers' fingerprints are checked against rank 0's;
 * **memcpy**: one `torch` copy of a buffer of the same number of bytes (the bandwidth bound);
-* **fingerprints**: the float64 (sum, sum of squares) of every tensor, once (part of both syncs).
+* **fingerprints**: the exact int64 block fingerprint of every tensor, once (part of both syncs);
+* **finiteness**: the cheap non-finite check (`nonfinite`), once (part of both syncs);
+* **raw gloo broadcast**: `torch.distributed.broadcast` of the same number of bytes, in
+  `--bucket-mb` pieces, 1 → 2, same processes (the cross-process bound).
 
 Every process runs with `--threads` torch threads (1: the machine has 2 shared cores). Results:
 benchmarks/results/sync.json and docs/img/sync.png.
@@ -45,6 +48,7 @@ TINY = {"vocab_size": 105, "hidden_size": 64, "intermediate_size": 128, "num_hid
 MODELS: dict[str, tuple[dict[str, Any], torch.dtype]] = {
     "tiny": (TINY, torch.float32),
     "0.6b": (SHAPES["0.6b"], torch.bfloat16),
+    "1.7b": (SHAPES["1.7b"], torch.bfloat16),
 }
 
 
@@ -93,7 +97,22 @@ def _broadcast_worker(rank: int, port: int, model: str, reps: int, bucket_bytes:
             prints = fingerprints(tensors)
         dist.barrier()
         seconds.append(time.perf_counter() - began)
-    Path(out, f"rank{rank}.json").write_text(json.dumps({"seconds": seconds, "bytes": sent, "fingerprints": prints}))
+    # raw torch.distributed broadcast of the same bytes, in bucket-sized pieces of one buffer
+    size = nbytes(tensors)
+    raw = torch.ones(min(bucket_bytes, size), dtype=torch.uint8)
+    raw_seconds = []
+    for _ in range(reps):
+        dist.barrier()
+        began = time.perf_counter()
+        left = size
+        while left > 0:
+            piece = raw[: min(left, raw.numel())]
+            dist.broadcast(piece, 0)
+            left -= piece.numel()
+        dist.barrier()
+        raw_seconds.append(time.perf_counter() - began)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(
+        {"seconds": seconds, "raw_seconds": raw_seconds, "bytes": sent, "fingerprints": prints}))
     dist.destroy_process_group()
 
 
@@ -118,7 +137,8 @@ def broadcast_arm(model: str, reps: int, bucket_bytes: int, threads: int) -> dic
             raise RuntimeError(f"broadcast workers failed: exit codes {[p.exitcode for p in procs]}")
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(3)]
         equal = ranks[0]["fingerprints"] == ranks[1]["fingerprints"] == ranks[2]["fingerprints"]
-        return {"seconds": ranks[0]["seconds"], "bytes": ranks[0]["bytes"], "fingerprints_equal": equal}
+        return {"seconds": ranks[0]["seconds"], "raw_seconds": ranks[0]["raw_seconds"], "bytes": ranks[0]["bytes"],
+                "fingerprints_equal": equal}
 
 
 def timed(fn: Any, reps: int) -> list[float]:
@@ -133,16 +153,22 @@ def timed(fn: Any, reps: int) -> list[float]:
 
 def local_arms(model: str, reps: int, progress: Any) -> dict[str, Any]:
     """fingerprints, local in-place copy and memcpy, in this process (buffers freed on return)."""
-    from floe.sampler.engine import copy_in_place, fingerprints
+    from floe.sampler.engine import copy_in_place, fingerprints, nonfinite
 
-    task = progress.add_task(f"{model}: local arms", total=3)
+    task = progress.add_task(f"{model}: local arms", total=4)
     src, dst = make_tensors(model, random=True), make_tensors(model, random=False)
     size = nbytes(src)
     result: dict[str, Any] = {"bytes": size, "tensors": len(src), "dtype": str(MODELS[model][1])}
     result["fingerprints_s"] = timed(lambda: fingerprints(src), reps)
     progress.advance(task)
+    print(f"{model}: fingerprints min {min(result['fingerprints_s']):.3f} s", flush=True)
+    result["finiteness_s"] = timed(lambda: nonfinite(src), reps)
+    progress.advance(task)
+    print(f"{model}: finiteness min {min(result['finiteness_s']):.3f} s", flush=True)
 
     def local() -> None:
+        if nonfinite(src):
+            raise RuntimeError("local copy: non-finite weights")
         published = fingerprints(src)
         copy_in_place(dst, src, "bench")
         if fingerprints(dst) != published:
@@ -150,6 +176,9 @@ def local_arms(model: str, reps: int, progress: Any) -> dict[str, Any]:
 
     result["local_inplace_s"] = timed(local, reps)
     progress.advance(task)
+    print(f"{model}: local in-place min {min(result['local_inplace_s']):.3f} s", flush=True)
+    src.clear()  # bound peak memory: two copies of the weights at a time
+    dst.clear()
     flat_src = torch.empty(size, dtype=torch.uint8).fill_(1)
     flat_dst = torch.empty_like(flat_src)
     result["memcpy_s"] = timed(lambda: flat_dst.copy_(flat_src), reps)
@@ -163,8 +192,12 @@ def run_model(model: str, reps: int, bucket_bytes: int, threads: int, progress: 
     task = progress.add_task(f"{model}: gloo broadcast 1 → 2 ({reps} reps)", total=1)
     result["broadcast"] = broadcast_arm(model, reps, bucket_bytes, threads)
     result["gloo_broadcast_s"] = result["broadcast"]["seconds"]
+    result["raw_gloo_broadcast_s"] = result["broadcast"]["raw_seconds"]
     progress.advance(task)
-    for arm in ("fingerprints_s", "local_inplace_s", "memcpy_s", "gloo_broadcast_s"):
+    print(f"{model}: floe broadcast min {min(result['gloo_broadcast_s']):.3f} s, raw gloo broadcast min "
+          f"{min(result['raw_gloo_broadcast_s']):.3f} s", flush=True)
+    for arm in ("fingerprints_s", "finiteness_s", "local_inplace_s", "memcpy_s", "gloo_broadcast_s",
+                "raw_gloo_broadcast_s"):
         best = min(result[arm])
         result[arm.removesuffix("_s") + "_summary"] = {"min_s": best, "median_s": statistics.median(result[arm]),
                                                        "gb_per_s": size / best / 1e9}
@@ -177,19 +210,19 @@ def plot(results: dict[str, Any]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    arms = [("memcpy", "memcpy"), ("local_inplace", "local in-place\n(+ fingerprints)"),
-            ("gloo_broadcast", "gloo broadcast 1→2\n(+ fingerprints)"), ("fingerprints", "fingerprints only")]
-    fig, ax = plt.subplots(figsize=(7.5, 4))
-    width = 0.8 / len(results)
-    for i, (model, res) in enumerate(results.items()):
-        xs = [j + (i - (len(results) - 1) / 2) * width for j in range(len(arms))]
-        values = [res[f"{a}_summary"]["gb_per_s"] for a, _ in arms]
-        ax.bar(xs, values, width, label=f"{model} ({res['bytes'] / 1e6:.1f} MB, {res['dtype'].removeprefix('torch.')})")
-        for x, v in zip(xs, values):
-            ax.text(x, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
-    ax.set_xticks(range(len(arms)), [label for _, label in arms], fontsize=8)
-    ax.set_ylabel("GB/s (bytes of one weights copy / best seconds)")
-    ax.set_title("Weight sync on CPU: bytes moved per second")
+    arms = [("memcpy", "memcpy"), ("fingerprints", "fingerprints"), ("finiteness", "finiteness check"),
+            ("local_inplace", "local in-place sync"), ("raw_gloo_broadcast", "raw gloo broadcast 1→2"),
+            ("gloo_broadcast", "floe gloo broadcast 1→2")]
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    models = sorted(results, key=lambda m: results[m]["bytes"])
+    sizes = [results[m]["bytes"] / 1e9 for m in models]
+    for arm, label in arms:
+        ax.plot(sizes, [results[m][f"{arm}_summary"]["min_s"] for m in models], marker="o", label=label)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("weights (GB; " + ", ".join(models) + ")")
+    ax.set_ylabel("seconds (best of reps)")
+    ax.set_title("Weight sync on CPU: time vs model size")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(image_path("sync"), dpi=110)
@@ -197,7 +230,7 @@ def plot(results: dict[str, Any]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", action="append", choices=sorted(MODELS), help="default: tiny and 0.6b")
+    parser.add_argument("--model", action="append", choices=sorted(MODELS), help="default: tiny, 0.6b and 1.7b")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--bucket-mb", type=float, default=256.0)
     parser.add_argument("--threads", type=int, default=1)
@@ -206,7 +239,7 @@ def main() -> None:
     bucket_bytes = int(args.bucket_mb * 2**20)
     results: dict[str, Any] = {}
     with progress_bar() as progress:
-        for model in args.model or ["tiny", "0.6b"]:
+        for model in args.model or ["tiny", "0.6b", "1.7b"]:
             results[model] = run_model(model, args.reps, bucket_bytes, args.threads, progress)
     path = write_json("sync", {"bucket_bytes": bucket_bytes, "reps": args.reps, "results": results})
     plot(results)
@@ -214,7 +247,7 @@ def main() -> None:
     for model, res in results.items():
         print(f"{model}: {res['bytes'] / 1e6:.1f} MB in {res['tensors']} tensors ({res['dtype']}); "
               f"fingerprints equal after broadcast: {res['broadcast']['fingerprints_equal']}")
-        for arm in ("memcpy", "local_inplace", "gloo_broadcast", "fingerprints"):
+        for arm in ("memcpy", "fingerprints", "finiteness", "local_inplace", "raw_gloo_broadcast", "gloo_broadcast"):
             s = res[f"{arm}_summary"]
             print(f"  {arm:15s} min {s['min_s'] * 1e3:9.2f} ms  median {s['median_s'] * 1e3:9.2f} ms  "
                   f"{s['gb_per_s']:6.2f} GB/s")

@@ -70,6 +70,7 @@ from floe.compute.layout import GroupPart, MicroBatch
 from floe.compute.losses import LossSpec
 from floe.config import ComputeConfig, OptimizerConfig
 from floe.errors import StateError
+from floe.sampler.engine import is_finite
 from floe.types import Batch, ForwardResult, Group, OptimStepResult, Sample
 
 __all__ = ["ShardedPolicyZone"]
@@ -236,7 +237,7 @@ class ShardedPolicyZone:
     @torch.no_grad()
     def all_finite(self) -> bool:
         """Collective. True when every parameter shard on every rank is finite."""
-        ok = all(bool(torch.isfinite(_local(p)).all()) for p in self.params)
+        ok = all(is_finite(_local(p)) for p in self.params)
         flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         return bool(flag.item())

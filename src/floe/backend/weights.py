@@ -5,8 +5,9 @@ These types sit below both the zone protocols (`zones.py`, whose `PolicyWorker.p
 methods (`sync/`, which move snapshots between zones), so neither imports the other's module
 for them.
 
-A fingerprint (`floe.sampler.engine.fingerprint`, part of the engine contract) is the float64
-sum and sum of squares of one tensor.
+A fingerprint (`floe.sampler.engine.fingerprint`, part of the engine contract) is the exact,
+order-independent integer digest of one tensor's bytes (word sum, block-weighted word sum,
+dtype, shape); `nonfinite` names the tensors holding NaN or infinity.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from floe.sampler.engine import Fingerprint, fingerprint, fingerprints
+from floe.sampler.engine import Fingerprint, fingerprint, fingerprints, nonfinite, unique_bytes
 
-__all__ = ["Fingerprint", "WeightsSnapshot", "fingerprint", "fingerprints"]
+__all__ = ["Fingerprint", "WeightsSnapshot", "fingerprint", "fingerprints", "nonfinite"]
 
 
 @dataclass(frozen=True)
@@ -31,4 +32,5 @@ class WeightsSnapshot:
 
     @property
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        """Bytes of one copy of the weights, tied tensors (one storage under two names) counted once."""
+        return unique_bytes(self.tensors)

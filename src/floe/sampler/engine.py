@@ -38,14 +38,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
 from floe.errors import InvalidInput, StateError
 from floe.types import SampledGroup, SamplingParams
 
-Fingerprint = tuple[float, float]  # (float64 sum, float64 sum of squares) of one tensor
+BLOCK_WORDS = 4096  # int64 words per fingerprint block
 
 
 @dataclass(frozen=True)
@@ -88,11 +88,66 @@ def replay_steps(groups: list[SampledGroup], on_step: OnStep) -> None:
         on_step(step)
 
 
+class Fingerprint(NamedTuple):
+    """What one tensor's bytes are, exactly: `words` = wrapping int64 sum of the tensor's
+    bytes read as little-endian int64 words (the tail zero-padded to 8 bytes), `weighted` =
+    wrapping int64 sum of each block's word sum times its block index + 1 (blocks of
+    `BLOCK_WORDS` words: catches blocks moved, dropped or stale), plus dtype name and shape.
+    Integer arithmetic, so the same value on any device, thread count or bucket order."""
+
+    words: int
+    weighted: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s bytes as a flat int64 tensor (a view when `t` is contiguous and 8-byte aligned
+    with a size multiple of 8 bytes; else one zero-padded copy)."""
+    flat = t.detach().reshape(-1)
+    nbytes = flat.numel() * flat.element_size()
+    if nbytes % 8 == 0:
+        try:
+            return flat.view(torch.uint8).view(torch.int64) if flat.element_size() != 8 else flat.view(torch.int64)
+        except RuntimeError:  # unaligned storage offset: copy below
+            pass
+    raw = torch.zeros(-(-nbytes // 8) * 8, dtype=torch.uint8, device=flat.device)
+    raw[:nbytes].copy_(flat.contiguous().view(torch.uint8))
+    return raw.view(torch.int64)
+
+
+@torch.no_grad()
 def fingerprint(t: torch.Tensor) -> Fingerprint:
-    """(sum, sum of squares) of `t` in float64: cheap, independent of where the tensor lives,
-    and in practice sensitive to any changed or dropped value (not to a permutation)."""
-    d = t.detach().double()
-    return float(d.sum()), float((d * d).sum())
+    """`Fingerprint` of `t` (any dtype and shape, on any device; computed where `t` is, one
+    pass at memory bandwidth, one host sync). Equal for bit-identical tensors of the same
+    dtype and shape, whatever the device or thread count."""
+    words = _words(t)
+    n = words.numel()
+    full = n // BLOCK_WORDS
+    sums = words[: full * BLOCK_WORDS].view(full, BLOCK_WORDS).sum(1) if full else words[:0]
+    if n > full * BLOCK_WORDS:
+        sums = torch.cat([sums, words[full * BLOCK_WORDS:].sum().reshape(1)])
+    index = torch.arange(1, sums.numel() + 1, dtype=torch.int64, device=sums.device)
+    both = torch.stack([sums.sum(), (sums * index).sum()]).tolist() if sums.numel() else [0, 0]
+    return Fingerprint(int(both[0]), int(both[1]), str(t.dtype).removeprefix("torch."), tuple(t.shape))
+
+
+@torch.no_grad()
+def is_finite(t: torch.Tensor) -> bool:
+    """True when every element of `t` is finite (integer and bool tensors always are).
+    Cheap: a sum in `t`'s own dtype is finite only if every element is (NaN and ±inf
+    propagate); only when it is not (a non-finite element, or an overflow of the sum) the
+    exact `torch.isfinite` check decides. Computed where `t` is."""
+    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+        return True
+    if bool(torch.isfinite(t.detach().sum())):
+        return True
+    return bool(torch.isfinite(t.detach()).all())
+
+
+def nonfinite(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """Names of the tensors that hold a NaN or an infinity (`is_finite`), in order."""
+    return [name for name, t in tensors.items() if not is_finite(t)]
 
 
 def check_layout(
@@ -114,15 +169,32 @@ def check_layout(
         raise StateError(f"{what} differ in shape: {wrong[:5]}")
 
 
+def tensor_key(t: torch.Tensor) -> tuple:
+    """What makes two tensor objects the same data: device, storage pointer, offset, shape,
+    strides, dtype (tied weights, e.g. embed_tokens / lm_head, share one key)."""
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def unique_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    """Bytes of `tensors`, each distinct tensor (`tensor_key`) counted once: what a sync moves."""
+    return sum(t.numel() * t.element_size() for t in {tensor_key(t): t for t in tensors.values()}.values())
+
+
 @torch.no_grad()
 def copy_in_place(
     own: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor], what: str, partial: bool = False
 ) -> None:
     """Copy `tensors` into `own`'s tensors in place (nothing reallocated) after `check_layout`
-    (`partial`: a subset of the names is allowed)."""
+    (`partial`: a subset of the names is allowed). Tied names (the same source tensor into
+    the same destination tensor, `tensor_key`) are copied once."""
     check_layout({k: tuple(v.shape) for k, v in own.items()}, tensors, what, partial)
+    done: set[tuple[tuple, tuple]] = set()
     for name, tensor in tensors.items():
+        pair = (tensor_key(own[name]), tensor_key(tensor))
+        if pair in done:  # tied names: the same source into the same destination, copied once
+            continue
         own[name].copy_(tensor)
+        done.add(pair)
 
 
 def dtype_names(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
@@ -132,8 +204,17 @@ def dtype_names(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
 
 def fingerprints(tensors: Mapping[str, torch.Tensor]) -> dict[str, Fingerprint]:
     """`fingerprint` of every named tensor: what `SamplerEngine.fingerprints` returns and
-    what a weight sync (`floe.backend.sync`) compares with the policy's."""
-    return {name: fingerprint(t) for name, t in tensors.items()}
+    what a weight sync (`floe.backend.sync`) compares with the policy's. Names that share one
+    tensor (tied weights: same storage pointer, offset, shape, strides and dtype) are
+    fingerprinted once."""
+    seen: dict[tuple, Fingerprint] = {}
+    out = {}
+    for name, t in tensors.items():
+        key = tensor_key(t)
+        if key not in seen:
+            seen[key] = fingerprint(t)
+        out[name] = seen[key]
+    return out
 
 
 def seeds_match_prompts(prompts: list[list[int]], seeds: list[int]) -> None:

@@ -18,23 +18,25 @@ the cast tensors, so `verify` compares what the engine holds with the published 
 the same way (round to nearest even, as the engine's own copy would cast), and a bf16 engine
 gets half the bytes.
 
-A fingerprint (`floe.sampler.engine.fingerprint`, part of the engine contract) is the float64
-sum and sum of squares of one tensor. `WeightsSnapshot` and `Fingerprint` live in
+A fingerprint (`floe.sampler.engine.fingerprint`, part of the engine contract) is exact and
+order-independent: the wrapping int64 sum of a tensor's bytes read as int64 words, the sum of
+its 4096-word blocks' sums weighted by block index, its dtype and shape. Finiteness is a
+separate cheap check (`floe.sampler.engine.nonfinite`). `WeightsSnapshot` and `Fingerprint` live in
 `backend.weights`, below both this module and the zone protocols (re-exported here).
 """
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from floe.backend.weights import Fingerprint, WeightsSnapshot, fingerprint, fingerprints
+from floe.backend.weights import Fingerprint, WeightsSnapshot, fingerprint, fingerprints, nonfinite
 from floe.backend.zones import PolicyWorker, SamplerWorker
 from floe.errors import StateError
+from floe.sampler.engine import tensor_key
 
 __all__ = [
     "Fingerprint", "SyncReport", "WeightSync", "WeightsSnapshot", "cast_for", "cast_tensors", "check_publishable",
@@ -44,11 +46,19 @@ __all__ = [
 
 def cast_tensors(tensors: Mapping[str, torch.Tensor], dtypes: Mapping[str, str]) -> dict[str, torch.Tensor]:
     """`tensors` with each one cast to `dtypes[name]` (a dtype name; a copy only where the dtype
-    differs, the tensor itself otherwise; names without an entry are kept as they are)."""
-    out = {}
+    differs, the tensor itself otherwise; names without an entry are kept as they are). Tied
+    names (one tensor under two names) share one cast copy."""
+    out: dict[str, torch.Tensor] = {}
+    cast: dict[tuple, torch.Tensor] = {}  # tied names share one cast copy
     for name, t in tensors.items():
         want = dtypes.get(name)
-        out[name] = t if want is None or str(t.dtype).removeprefix("torch.") == want else t.to(getattr(torch, want))
+        if want is None or str(t.dtype).removeprefix("torch.") == want:
+            out[name] = t
+        else:
+            key = (*tensor_key(t), want)
+            if key not in cast:
+                cast[key] = t.to(getattr(torch, want))
+            out[name] = cast[key]
     return out
 
 
@@ -64,7 +74,7 @@ def cast_for(snapshot: WeightsSnapshot, dtypes: Mapping[str, str]) -> WeightsSna
 
 def check_publishable(snapshot: WeightsSnapshot) -> None:
     """StateError when any published tensor is not finite (nothing has moved yet)."""
-    broken = [name for name, fp in snapshot.fingerprints.items() if not all(math.isfinite(x) for x in fp)]
+    broken = nonfinite(snapshot.tensors)
     if broken:
         raise StateError(f"sync_weights: policy weights are not finite in {broken[:5]}; the sampler was not changed")
 

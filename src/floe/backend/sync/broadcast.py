@@ -21,15 +21,17 @@ After the last bucket the length 0 ends the stream; the length -1 aborts it (the
 bucket source failed or a bucket was not finite: the receivers raise StateError).
 So a bucket of k dtypes costs k + 2 broadcasts, whatever its number of tensors.
 
-Memory bound: besides the caller's own bucket, the sender holds one flattened copy of the
-current bucket (its per-dtype buffers); a receiver holds one bucket's buffers, which the
-tensors it yields are views of, until it asks for the next bucket. Peak extra memory on either
-side is therefore one bucket (≤ bucket_bytes, or the largest single tensor when that is
-larger) plus one header (≈ 100 bytes per tensor).
+Overlap and memory: the sender packs each dtype buffer into one of two reused staging
+buffers and broadcasts it asynchronously (`async_op` work), so packing the next buffer overlaps
+the previous one's transfer (double buffering; a staging buffer is refilled only after its
+broadcast ended). A receiver posts all of a bucket's dtype broadcasts at once into one reused
+buffer, which the tensors it yields are views of until it asks for the next bucket. Peak extra
+memory: two staging buffers on the sender, one bucket on a receiver (each ≤ bucket_bytes, or
+the largest single tensor when that is larger), plus one header (≈ 100 bytes per tensor).
 
 Finite weights: the caller must refuse non-finite weights *before* anything is sent (the
 sharded policy's collective `all_finite()`, or `check_publishable` of a snapshot). As a last
-guard `send_weights` also checks every bucket's fingerprints before sending it and aborts the
+guard `send_weights` also checks every bucket's finiteness (`nonfinite`) before sending it and aborts the
 stream (StateError) if one is not finite; receivers then raise and their sampler stays
 incomplete (`SamplerZone.weights_complete`), so the Backend's version does not move.
 
@@ -48,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from floe.errors import StateError
-from floe.sampler.engine import Fingerprint, fingerprints
+from floe.sampler.engine import Fingerprint, fingerprints, nonfinite
 
 if TYPE_CHECKING:
     from floe.backend.sampler import SamplerZone
@@ -76,6 +78,15 @@ def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, src: int) -> None
     opts.rootRank = src
     opts.rootTensor = 0
     group.broadcast([tensor], opts).wait()
+
+
+def _broadcast_async(group: dist.ProcessGroup, tensor: torch.Tensor, src: int) -> dist.Work:
+    """`_broadcast` without the wait: the returned work's `wait()` ends it (the tensor must not
+    change until then)."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = src
+    opts.rootTensor = 0
+    return group.broadcast([tensor], opts)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -119,15 +130,18 @@ def send_weights(
     device = _comm_device(group)
     sent: dict[str, Fingerprint] = {}
     total = 0
+    buffers: list[torch.Tensor | None] = [None, None]  # double buffering: pack one while the other is in flight
+    works: list[dist.Work | None] = [None, None]
+    turn = 0
     try:
         for bucket in buckets:
             if not bucket:
                 continue
-            prints = fingerprints(bucket)
-            broken = [name for name, fp in prints.items() if not all(math.isfinite(x) for x in fp)]
+            broken = nonfinite(bucket)
             if broken:
                 raise StateError(f"sync_weights: policy weights are not finite in {broken[:5]}; the samplers' weights "
                                  "are incomplete until a sync succeeds")
+            prints = fingerprints(bucket)
             order: dict[str, list[str]] = {}  # dtype name -> tensor names, in first-appearance order
             for name, t in bucket.items():
                 order.setdefault(_dtype_name(t.dtype), []).append(name)
@@ -136,12 +150,28 @@ def send_weights(
             _send_length(group, src, raw.numel(), device)
             _broadcast(group, raw.to(device), src)
             for names in order.values():
-                flat = torch.cat([bucket[name].detach().reshape(-1) for name in names]).to(device)
-                _broadcast(group, flat.view(torch.uint8), src)
-                total += flat.numel() * flat.element_size()
-                del flat
+                parts = [bucket[name].detach().reshape(-1) for name in names]
+                numel = sum(p.numel() for p in parts)
+                nbytes = numel * parts[0].element_size()
+                work = works[turn]
+                if work is not None:  # this buffer's previous broadcast must be done before it is refilled
+                    work.wait()
+                buf = buffers[turn]
+                if buf is None or buf.numel() < nbytes:
+                    buf = buffers[turn] = torch.empty(max(nbytes, 8), dtype=torch.uint8, device=device)
+                flat = buf[:nbytes].view(parts[0].dtype)
+                torch.cat(parts, out=flat)
+                works[turn] = _broadcast_async(group, buf[:nbytes], src)
+                turn = 1 - turn
+                total += nbytes
             sent.update(prints)
+        for work in works:
+            if work is not None:
+                work.wait()
     except BaseException:
+        for work in works:
+            if work is not None:
+                work.wait()
         _send_length(group, src, _ABORT, device)
         raise
     _send_length(group, src, _END, device)
@@ -156,6 +186,7 @@ def receive_weights(group: dist.ProcessGroup, src: int, device: torch.device | s
     sampler. Peak extra memory: one bucket (module docstring)."""
     device = torch.device(device)
     comm = _comm_device(group)
+    store: torch.Tensor | None = None
     while True:
         length = torch.zeros(1, dtype=torch.int64, device=comm)
         _broadcast(group, length, src)
@@ -172,11 +203,22 @@ def receive_weights(group: dist.ProcessGroup, src: int, device: torch.device | s
         groups: dict[str, list[tuple[str, list[int]]]] = {}
         for name, shape, dtype in header:
             groups.setdefault(dtype, []).append((name, shape))
+        sizes = {dtype: sum(math.prod(shape) for _, shape in members) * _DTYPES[dtype].itemsize
+                 for dtype, members in groups.items()}
+        need = sum(-(-n // 8) * 8 for n in sizes.values())
+        if store is None or store.numel() < need:  # one buffer, reused bucket after bucket
+            store = torch.empty(max(need, 8), dtype=torch.uint8, device=comm)
+        works, offset, flats = [], 0, {}
+        for dtype, n in sizes.items():  # every dtype's broadcast in flight at once
+            piece = store[offset: offset + n]
+            works.append(_broadcast_async(group, piece, src))
+            flats[dtype] = piece
+            offset += -(-n // 8) * 8
+        for work in works:
+            work.wait()
         for dtype, members in groups.items():
             numels = [math.prod(shape) for _, shape in members]
-            flat = torch.empty(sum(numels), dtype=_DTYPES[dtype], device=comm)
-            _broadcast(group, flat.view(torch.uint8), src)
-            flat = flat.to(device)
+            flat = flats[dtype].view(_DTYPES[dtype]).to(device)
             for (name, shape), part in zip(members, torch.split(flat, numels), strict=True):
                 bucket[name] = part.view(shape)
             del flat
