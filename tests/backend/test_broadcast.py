@@ -5,7 +5,7 @@ One world runs every scenario in order (process start-up dominates the time): a 
 buckets smaller than the largest tensor, a sync in one bucket, mixed dtypes (bf16, fp32,
 int64) round-tripping bit-exactly, a sender whose bucket source fails midway, and receivers
 that cannot apply a bucket; after each failure a full sync must still work (the collectives
-stayed in step). Each process writes what it saw to a JSON file; the test asserts on them.
+stayed in step); tied names (one tensor under two names) sent once. Each process writes what it saw to a JSON file; the test asserts on them.
 """
 
 from __future__ import annotations
@@ -43,6 +43,13 @@ def _mixed() -> dict[str, torch.Tensor]:
     }
 
 
+def _tied() -> dict[str, torch.Tensor]:
+    """embed / lm_head one tensor (tied), first and last, a norm between them."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(16, 8, generator=g)
+    return {"embed": w, "norm": torch.randn(8, generator=g), "lm_head": w}
+
+
 def _fps(prints: dict[str, Any]) -> dict[str, list[float]]:
     return {k: list(v) for k, v in prints.items()}
 
@@ -68,6 +75,7 @@ def _worker(rank: int, world: int, port: int, model_path: str, out_dir: str) -> 
             prints, sent = send_weights(group, 0, bucketed(weights.items(), size))
             out[case] = {"fingerprints": _fps(prints), "bytes": sent}
         send_weights(group, 0, [{k: v for k, v in list(_mixed().items())[:3]}, dict(list(_mixed().items())[3:])])
+        _, out["tied_bytes"] = send_weights(group, 0, bucketed(_tied().items(), 16 * 8 * 4))  # one tensor per bucket
 
         def failing():
             yield dict(list(weights.items())[:2])
@@ -103,6 +111,11 @@ def _worker(rank: int, world: int, port: int, model_path: str, out_dir: str) -> 
         for bucket in receive_weights(group, 0, "cpu"):
             got.update({k: v.clone() for k, v in bucket.items()})
         out["mixed"] = {k: [str(v.dtype), torch.equal(v, _mixed()[k])] for k, v in got.items()}
+        tied = []
+        for bucket in receive_weights(group, 0, "cpu"):
+            tied.append({"names": list(bucket), "equal": all(torch.equal(v, _tied()[k]) for k, v in bucket.items()),
+                         "storages": len({t.data_ptr() for t in bucket.values()})})
+        out["tied"] = tied
         for case in ("abort", "bogus"):
             try:
                 receive_into(zone, group, 0, "cpu")
@@ -155,5 +168,9 @@ def test_broadcast_one_sender_two_receivers(tiny_model, tmp_path):
         assert got["abort"]["error"].startswith("StateError: sync_weights: the policy aborted") and not got["abort"]["complete"]
         assert "differ in tensors" in got["bogus"]["error"] and not got["bogus"]["complete"]
         assert got["repair"] == {"fingerprints": sender["repair"], "complete": True}
+        # Tied names travel together, once: one tensor's bytes, both names views of it.
+        assert got["tied"] == [{"names": ["embed", "lm_head"], "equal": True, "storages": 1},
+                               {"names": ["norm"], "equal": True, "storages": 1}]
+    assert sender["tied_bytes"] == (16 * 8 + 8) * 4
     assert sender["abort"] == "the policy's gather failed"
     assert receivers[0]["samples"] == receivers[1]["samples"]

@@ -245,14 +245,21 @@ class ShardedPolicyZone:
     @torch.no_grad()
     def full_tensor_buckets(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
         """Collective. The full weights by state-dict name (PolicyZone.publish()'s names and
-        dtypes) in buckets of at most `bucket_bytes` (a larger tensor gets a bucket alone).
+        dtypes) in buckets of at most `bucket_bytes` (a larger tensor gets a bucket alone); a
+        tied tensor is gathered once and appears under all its names (one tensor object) in the
+        bucket of its first name.
 
         Rank 0 yields the tensors; other ranks yield {} at the same points (they take part in
         every gather). Extra memory: one bucket plus the tensor being gathered (in the shards'
         dtype) on rank 0; one gathered tensor on the others."""
         bucket: dict[str, torch.Tensor] = {}
         size = 0
+        aliases: dict[str, list[str]] = {}  # first name -> its tied names: gathered once, in the first name's bucket
+        for other, first in self.tied.items():
+            aliases.setdefault(first, []).append(other)
         for name, t in self.model.state_dict().items():
+            if name in self.tied:
+                continue
             dtype = self.out_dtypes[name]
             nbytes = t.numel() * dtype.itemsize
             if size and size + nbytes > bucket_bytes:
@@ -261,6 +268,11 @@ class ShardedPolicyZone:
             full = t.full_tensor() if isinstance(t, DTensor) else t
             if self.rank == 0:
                 bucket[name] = full.detach().to(dtype, copy=True)
+                for other in aliases.get(name, ()):  # the same tensor object: a broadcast sends it once
+                    if self.out_dtypes[other] == dtype:
+                        bucket[other] = bucket[name]
+                    else:
+                        bucket[other] = full.detach().to(self.out_dtypes[other], copy=True)
             del full
             size += nbytes
         if size:

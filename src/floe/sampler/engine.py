@@ -146,8 +146,17 @@ def is_finite(t: torch.Tensor) -> bool:
 
 
 def nonfinite(tensors: Mapping[str, torch.Tensor]) -> list[str]:
-    """Names of the tensors that hold a NaN or an infinity (`is_finite`), in order."""
-    return [name for name, t in tensors.items() if not is_finite(t)]
+    """Names of the tensors that hold a NaN or an infinity (`is_finite`), in order; a tensor
+    under several names (tied weights, `tensor_key`) is checked once and reported under each."""
+    finite: dict[tuple, bool] = {}
+    broken = []
+    for name, t in tensors.items():
+        key = tensor_key(t)
+        if key not in finite:
+            finite[key] = is_finite(t)
+        if not finite[key]:
+            broken.append(name)
+    return broken
 
 
 def check_layout(

@@ -62,6 +62,18 @@ def cast_tensors(tensors: Mapping[str, torch.Tensor], dtypes: Mapping[str, str])
     return out
 
 
+def on_cpu(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` on the CPU (each moved once; tied names share one copy; CPU tensors as they are)."""
+    moved: dict[tuple, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        key = tensor_key(t)
+        if key not in moved:
+            moved[key] = t.cpu()
+        out[name] = moved[key]
+    return out
+
+
 def cast_for(snapshot: WeightsSnapshot, dtypes: Mapping[str, str]) -> WeightsSnapshot:
     """The snapshot as a sampler holding `dtypes` will hold it: tensors cast (`cast_tensors`),
     fingerprints of the cast tensors (those not cast keep theirs)."""

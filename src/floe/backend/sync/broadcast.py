@@ -12,22 +12,26 @@ group torch.distributed made.
 Wire protocol, per bucket (all broadcasts from `src`):
 1. the header's length in bytes, an int64 tensor [1];
 2. the header, a uint8 tensor: JSON {"tensors": [[name, shape, dtype], ...]}, dtypes as
-   torch names ("float32", "bfloat16", ...); the tensors are grouped by dtype in order of
-   first appearance;
-3. one contiguous buffer per dtype (the bucket's tensors of that dtype flattened and
-   concatenated in header order), sent as its uint8 bytes, so every backend carries every
-   dtype (gloo has no bfloat16 reduction support; a broadcast of bytes needs none).
+   torch names ("float32", "bfloat16", ...); a name tied to an earlier tensor of the bucket
+   (the same tensor, `tensor_key`: embed_tokens / lm_head) is [name, shape, dtype, that
+   tensor's name] and sends no bytes;
+3. each tensor's bytes, in header order, one broadcast per tensor (as uint8, so every backend
+   carries every dtype: gloo has no bfloat16 reduction support; a broadcast of bytes needs
+   none).
 After the last bucket the length 0 ends the stream; the length -1 aborts it (the sender's
 bucket source failed or a bucket was not finite: the receivers raise StateError).
-So a bucket of k dtypes costs k + 2 broadcasts, whatever its number of tensors.
+So a bucket of k distinct tensors costs k + 2 broadcasts.
 
-Overlap and memory: the sender packs each dtype buffer into one of two reused staging
-buffers and broadcasts it asynchronously (`async_op` work), so packing the next buffer overlaps
-the previous one's transfer (double buffering; a staging buffer is refilled only after its
-broadcast ended). A receiver posts all of a bucket's dtype broadcasts at once into one reused
-buffer, which the tensors it yields are views of until it asks for the next bucket. Peak extra
-memory: two staging buffers on the sender, one bucket on a receiver (each ≤ bucket_bytes, or
-the largest single tensor when that is larger), plus one header (≈ 100 bytes per tensor).
+Overlap and memory: the sender broadcasts every tensor of a bucket asynchronously straight
+from the tensor's own storage (no staging copy; a tensor is copied only when it is not
+contiguous or not on the group's device), so the transfers of a bucket overlap each other; a
+receiver posts all of a bucket's broadcasts at once into one reused buffer, which the tensors
+it yields are views of until it asks for the bucket after next. The sender checks and
+fingerprints bucket k + 1 while bucket k is in flight; a receiver posts bucket k + 1's
+broadcasts (into its second buffer) before it hands bucket k to the caller, so applying a
+bucket overlaps the next one's transfer. Peak extra memory: two buckets on a receiver (each
+≤ bucket_bytes, or the largest single tensor when that is larger), plus one header (≈ 100
+bytes per tensor); none on the sender.
 
 Finite weights: the caller must refuse non-finite weights *before* anything is sent (the
 sharded policy's collective `all_finite()`, or `check_publishable` of a snapshot). As a last
@@ -44,13 +48,13 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from floe.errors import StateError
-from floe.sampler.engine import Fingerprint, fingerprints, nonfinite
+from floe.sampler.engine import Fingerprint, fingerprints, nonfinite, tensor_key
 
 if TYPE_CHECKING:
     from floe.backend.sampler import SamplerZone
@@ -102,15 +106,20 @@ def _send_length(group: dist.ProcessGroup, src: int, length: int, device: torch.
 
 def bucketed(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
     """Group named tensors into buckets of at most `bucket_bytes` bytes, in order (a tensor
-    larger than that gets a bucket alone). The tensors are not copied."""
+    larger than that gets a bucket alone). Names of one tensor (tied weights, `tensor_key`)
+    go into the bucket of its first name and count once, so `send_weights` sends it once. The
+    tensors are not copied."""
+    names: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in tensors:
+        names.setdefault(tensor_key(t), []).append((name, t))
     bucket: dict[str, torch.Tensor] = {}
     size = 0
-    for name, t in tensors:
-        nbytes = t.numel() * t.element_size()
+    for group in names.values():
+        nbytes = group[0][1].numel() * group[0][1].element_size()
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = {}, 0
-        bucket[name] = t
+        bucket.update(group)
         size += nbytes
     if bucket:
         yield bucket
@@ -130,48 +139,48 @@ def send_weights(
     device = _comm_device(group)
     sent: dict[str, Fingerprint] = {}
     total = 0
-    buffers: list[torch.Tensor | None] = [None, None]  # double buffering: pack one while the other is in flight
-    works: list[dist.Work | None] = [None, None]
-    turn = 0
+    in_flight: list[tuple[dist.Work, torch.Tensor]] = []  # the previous bucket's broadcasts (and their tensors)
+
+    def drain() -> None:
+        for work, _ in in_flight:
+            work.wait()
+        in_flight.clear()
+
     try:
         for bucket in buckets:
             if not bucket:
                 continue
+            # Checked and fingerprinted while the previous bucket is still on the wire.
             broken = nonfinite(bucket)
             if broken:
                 raise StateError(f"sync_weights: policy weights are not finite in {broken[:5]}; the samplers' weights "
                                  "are incomplete until a sync succeeds")
             prints = fingerprints(bucket)
-            order: dict[str, list[str]] = {}  # dtype name -> tensor names, in first-appearance order
+            header: list[list[Any]] = []
+            first: dict[tuple, str] = {}  # tensor_key -> the bucket's first name of that tensor
+            unique: list[torch.Tensor] = []
             for name, t in bucket.items():
-                order.setdefault(_dtype_name(t.dtype), []).append(name)
-            header = [[name, list(bucket[name].shape), dtype] for dtype, names in order.items() for name in names]
+                key = tensor_key(t)
+                if key in first:  # a tied name: sent once, under its first name
+                    header.append([name, list(t.shape), _dtype_name(t.dtype), first[key]])
+                    continue
+                first[key] = name
+                header.append([name, list(t.shape), _dtype_name(t.dtype)])
+                unique.append(t)
             raw = torch.frombuffer(bytearray(json.dumps({"tensors": header}).encode()), dtype=torch.uint8)
+            # Each tensor's own bytes: no staging copy (packing a bucket into one buffer cost
+            # more than half the raw transfer time on a 2-core machine: docs/benchmarks.md). A
+            # tensor is copied only when it is not contiguous or not on the group's device.
+            held = [t.detach().to(device).contiguous().reshape(-1).view(torch.uint8) for t in unique]
+            drain()
             _send_length(group, src, raw.numel(), device)
             _broadcast(group, raw.to(device), src)
-            for names in order.values():
-                parts = [bucket[name].detach().reshape(-1) for name in names]
-                numel = sum(p.numel() for p in parts)
-                nbytes = numel * parts[0].element_size()
-                work = works[turn]
-                if work is not None:  # this buffer's previous broadcast must be done before it is refilled
-                    work.wait()
-                buf = buffers[turn]
-                if buf is None or buf.numel() < nbytes:
-                    buf = buffers[turn] = torch.empty(max(nbytes, 8), dtype=torch.uint8, device=device)
-                flat = buf[:nbytes].view(parts[0].dtype)
-                torch.cat(parts, out=flat)
-                works[turn] = _broadcast_async(group, buf[:nbytes], src)
-                turn = 1 - turn
-                total += nbytes
+            in_flight.extend((_broadcast_async(group, piece, src), piece) for piece in held if piece.numel())
+            total += sum(piece.numel() for piece in held)
             sent.update(prints)
-        for work in works:
-            if work is not None:
-                work.wait()
+        drain()
     except BaseException:
-        for work in works:
-            if work is not None:
-                work.wait()
+        drain()
         _send_length(group, src, _ABORT, device)
         raise
     _send_length(group, src, _END, device)
@@ -180,49 +189,54 @@ def send_weights(
 
 def receive_weights(group: dist.ProcessGroup, src: int, device: torch.device | str) -> Iterator[dict[str, torch.Tensor]]:
     """On every member of `group` but `src`: yield each bucket `send_weights` broadcasts, as
-    tensors on `device` (views into the bucket's received buffers, valid until the next bucket
-    is asked for). Ends at the end marker; StateError when the sender aborts. The caller must
+    tensors on `device` (views into one of two reused receive buffers, valid until the bucket
+    after next is asked for). Ends at the end marker; StateError when the sender aborts. The caller must
     exhaust the iterator (every broadcast is a collective): use `receive_into` to load a
     sampler. Peak extra memory: one bucket (module docstring)."""
     device = torch.device(device)
     comm = _comm_device(group)
-    store: torch.Tensor | None = None
-    while True:
+    stores: list[torch.Tensor | None] = [None, None]  # bucket k lands in one while k - 1 is being applied
+
+    def post(turn: int) -> tuple[dict[str, torch.Tensor], list[dist.Work]] | None:
+        """Read the next bucket's header and post all its broadcasts into `stores[turn]`; None at
+        the end marker."""
         length = torch.zeros(1, dtype=torch.int64, device=comm)
         _broadcast(group, length, src)
         n = int(length.item())
         if n == _END:
-            return
+            return None
         if n == _ABORT:
             raise StateError("sync_weights: the policy aborted the weight broadcast midway; the sampler's weights are "
                              "incomplete until a sync succeeds")
         raw = torch.empty(n, dtype=torch.uint8, device=comm)
         _broadcast(group, raw, src)
         header = json.loads(raw.cpu().numpy().tobytes().decode())["tensors"]
-        bucket: dict[str, torch.Tensor] = {}
-        groups: dict[str, list[tuple[str, list[int]]]] = {}
-        for name, shape, dtype in header:
-            groups.setdefault(dtype, []).append((name, shape))
-        sizes = {dtype: sum(math.prod(shape) for _, shape in members) * _DTYPES[dtype].itemsize
-                 for dtype, members in groups.items()}
-        need = sum(-(-n // 8) * 8 for n in sizes.values())
-        if store is None or store.numel() < need:  # one buffer, reused bucket after bucket
-            store = torch.empty(max(need, 8), dtype=torch.uint8, device=comm)
-        works, offset, flats = [], 0, {}
-        for dtype, n in sizes.items():  # every dtype's broadcast in flight at once
-            piece = store[offset: offset + n]
-            works.append(_broadcast_async(group, piece, src))
-            flats[dtype] = piece
-            offset += -(-n // 8) * 8
+        sent = [(entry[0], entry[1], entry[2], math.prod(entry[1]) * _DTYPES[entry[2]].itemsize)
+                for entry in header if len(entry) == 3]
+        need = sum(-(-size // 8) * 8 for *_, size in sent)  # each tensor 8-byte aligned in the buffer
+        store = stores[turn]
+        if store is None or store.numel() < need:  # reused bucket after bucket
+            store = stores[turn] = torch.empty(max(need, 8), dtype=torch.uint8, device=comm)
+        works, offset, received = [], 0, {}
+        for name, shape, dtype, size in sent:  # all of them in flight at once
+            piece = store[offset: offset + size]
+            if size:
+                works.append(_broadcast_async(group, piece, src))
+            received[name] = piece.view(_DTYPES[dtype]).view(shape)
+            offset += -(-size // 8) * 8
+        # In header order; a tied name (4th field: the name it was sent under) is the same tensor.
+        bucket = {entry[0]: received[entry[0] if len(entry) == 3 else entry[3]] for entry in header}
+        return bucket, works
+
+    turn = 0
+    current = post(turn)
+    while current is not None:
+        bucket, works = current
         for work in works:
             work.wait()
-        for dtype, members in groups.items():
-            numels = [math.prod(shape) for _, shape in members]
-            flat = flats[dtype].view(_DTYPES[dtype]).to(device)
-            for (name, shape), part in zip(members, torch.split(flat, numels), strict=True):
-                bucket[name] = part.view(shape)
-            del flat
-        yield bucket
+        turn = 1 - turn
+        current = post(turn)  # the next bucket arrives while the caller applies this one
+        yield bucket if comm == device else {name: t.to(device) for name, t in bucket.items()}
         del bucket
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from floe.backend.sync.base import SyncReport, WeightSync, cast_for, check_publishable
+from floe.backend.weights import WeightsSnapshot
 
 if TYPE_CHECKING:
     from floe.backend.zones import PolicyWorker, SamplerWorker
@@ -24,6 +25,8 @@ class InPlaceCopy(WeightSync):
         snapshot = policy.publish()
         check_publishable(snapshot)
         sent = cast_for(snapshot, sampler.held_dtypes())
-        check_publishable(sent)  # a cast to a narrower dtype could overflow
+        cast = {name: t for name, t in sent.tensors.items() if t is not snapshot.tensors[name]}
+        if cast:  # a cast to a narrower dtype could overflow; the tensors not cast were checked above
+            check_publishable(WeightsSnapshot(cast, {}, sent.step))
         received = sampler.receive(sent.tensors)
         return SyncReport(sent.fingerprints, received, sent.bytes)

@@ -140,12 +140,12 @@ class PolicyRankHost(_GroupMember):
         return self.reference.forward(*args)
 
     def _buckets(self, bucket_bytes: int, dtypes: dict[str, str] | None) -> Any:
-        from floe.backend.sync.base import cast_tensors  # noqa: PLC0415
+        from floe.backend.sync.base import cast_tensors, on_cpu  # noqa: PLC0415
 
         for bucket in self.zone.full_tensor_buckets(bucket_bytes):
             bucket = cast_tensors(bucket, dtypes or {})  # the dtypes the replicas hold
             if self.sync_backend == "gloo":
-                bucket = {k: v.cpu() for k, v in bucket.items()}
+                bucket = on_cpu(bucket)
             yield bucket
 
     def send_weights(self, bucket_bytes: int, dtypes: dict[str, str] | None = None) -> tuple[dict[str, Any], int] | None:
