@@ -36,6 +36,7 @@ from floe.errors import InvalidInput, StateError
 from floe.sampler.engine import Fingerprint, copy_in_place, dtype_names, fingerprints, seeds_match_prompts
 from floe.sampler.kv_cache import preallocated_cache
 from floe.sampler.noise import derive, derive_tensor, sample_categorical
+from floe.sampler.prefix_decode import PrefixDecoder, supports_prefix_decode
 from floe.types import SampledGroup, SampledSequence, SamplingParams, StopReason
 
 
@@ -169,8 +170,12 @@ class _Rows:
 class TorchEngine:
     """`SamplerEngine` on a transformers model in this process (CPU or GPU)."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_batch_sequences: int):
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_batch_sequences: int,
+                 shared_prefix: bool = True):
+        """`shared_prefix`: decode with `prefix_decode.PrefixDecoder` (each prompt's KV stored once)
+        where the model supports it; False keeps the padded path (prompt KV repeated n times)."""
         self.model = model
+        self.shared_prefix = shared_prefix and supports_prefix_decode(model)
         self.tokenizer = tokenizer
         self.max_batch_sequences = max_batch_sequences
         self.device = next(model.parameters()).device
@@ -268,17 +273,32 @@ class TorchEngine:
     def _generate_chunk(
         self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[int], version: int
     ) -> list[SampledGroup]:
-        state = self._prefill(prompts, n, params.max_tokens)
         rows = _Rows.start(len(prompts) * n, self._stop_ids(params), params.stop, params.top_logprobs > 0)
+        decoder: PrefixDecoder | None = None
+        if self.shared_prefix:
+            decoder = PrefixDecoder(self.model, prompts, n, params.max_tokens, self.tokenizer.pad_token_id or 0,
+                                    self._cache_kw)
+            logits = decoder.prefill()
+        else:
+            state = self._prefill(prompts, n, params.max_tokens)
+            logits = state.logits
         # Row gi * n + k is sample k of prompt gi: its seed is derive(seeds[gi], k).
         row_seeds = torch.tensor([derive(s, k) for s in seeds for k in range(n)], dtype=torch.int64, device=self.device)
         for step in range(params.max_tokens):
             alive = torch.tensor(rows.alive, device=self.device)
-            chosen, chosen_logp = draw_tokens(state.logits, params, derive_tensor(row_seeds[alive], step))
-            keep = rows.record(chosen, chosen_logp, self.tokenizer, top_logprobs(state.logits, params))
+            chosen, chosen_logp = draw_tokens(logits, params, derive_tensor(row_seeds[alive], step))
+            # step hook: each live row's new token is known here
+            # (row ids `rows.alive`, tokens `chosen`, log-probs `chosen_logp`, same order).
+            keep = rows.record(chosen, chosen_logp, self.tokenizer, top_logprobs(logits, params))
             if not keep or step == params.max_tokens - 1:
                 break
-            self._decode_step(state, rows, chosen, keep)
+            if decoder is not None:
+                logits = decoder.step(chosen, keep)  # finished rows leave the batch here
+                if len(keep) < len(rows.alive):
+                    rows.alive = [rows.alive[j] for j in keep]
+            else:
+                self._decode_step(state, rows, chosen, keep)
+                logits = state.logits
         return rows.pack(prompts, n, version, logprob_temperature(params))
 
     def _prefill(self, prompts: list[list[int]], n: int, max_tokens: int) -> _DecodeState:
