@@ -35,7 +35,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from floe.errors import InvalidInput, StateError
 from floe.sampler.engine import Fingerprint, copy_in_place, dtype_names, fingerprints, seeds_match_prompts
 from floe.sampler.kv_cache import preallocated_cache
-from floe.sampler.noise import derive, derive_tensor, sample_categorical
+from floe.sampler.noise import derive, derive_tensor, sample_from_weights
 from floe.sampler.prefix_decode import PrefixDecoder, supports_prefix_decode
 from floe.types import SampledGroup, SampledSequence, SamplingParams, StopReason
 
@@ -68,7 +68,7 @@ def draw_tokens(
     temperature-scaled distribution before top-k/top-p.
 
     The token is drawn from the temperature-scaled, top-k/top-p filtered distribution by
-    inverse transform sampling (`noise.sample_categorical`) with the uniform of `keys` [rows]
+    inverse transform sampling (`noise.sample_from_weights`, the same draw as `noise.sample_categorical`) with the uniform of `keys` [rows]
     int64 (one key per row and step), so a row's draw depends on its key and logits only.
 
     Temperature 0 is greedy: the argmax of each row (top-k/top-p cannot exclude it, and
@@ -79,9 +79,14 @@ def draw_tokens(
         chosen_logp = torch.log_softmax(logits, dim=-1).gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
         return chosen, chosen_logp
     scaled = logits / params.temperature
-    logp_all = torch.log_softmax(scaled, dim=-1)
-    chosen = sample_categorical(filter_logits(scaled, params.top_k, params.top_p), keys)
-    chosen_logp = logp_all.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
+    # One exp pass serves both the log-probs (max and log-sum-exp) and the draw's weights.
+    top = scaled.amax(-1, keepdim=True)
+    weights = torch.exp(scaled - top)
+    log_total = weights.sum(-1, keepdim=True).log()
+    if params.top_k > 0 or params.top_p < 1.0:
+        weights = weights.masked_fill(filter_logits(scaled, params.top_k, params.top_p) == float("-inf"), 0.0)
+    chosen = sample_from_weights(weights, keys)
+    chosen_logp = (scaled.gather(-1, chosen.unsqueeze(-1)) - top - log_total).squeeze(-1)
     return chosen, chosen_logp
 
 
