@@ -13,8 +13,8 @@ from floe.models import load_model, load_tokenizer, make_tiny
 from floe.sampler.prefix_decode import supports_prefix_decode
 from floe.sampler.torch_engine import TorchEngine
 
-COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256)
+COMMON = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "max_position_embeddings": 256}
 
 
 @pytest.fixture(scope="module")

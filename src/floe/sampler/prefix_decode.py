@@ -31,6 +31,13 @@ def supports_prefix_decode(model: object) -> bool:
     return not layer_types or all(t == "full_attention" for t in layer_types)
 
 
+def _filled(layer: object, name: str) -> torch.Tensor:
+    """A full-attention cache layer's `keys` or `values` after prefill."""
+    t = getattr(layer, name, None)
+    assert isinstance(t, torch.Tensor), f"cache layer without {name}"
+    return t
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -66,8 +73,8 @@ class PrefixDecoder:
         cache = DynamicCache(config=self.model.config)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                          logits_to_keep=1, **{self.cache_kw: cache})
-        self.pk = [layer.keys for layer in cache.layers]  # [g, kv_heads, width, head_dim]
-        self.pv = [layer.values for layer in cache.layers]
+        self.pk = [_filled(layer, "keys") for layer in cache.layers]  # [g, kv_heads, width, head_dim]
+        self.pv = [_filled(layer, "values") for layer in cache.layers]
         # Additive mask of the left padding: [g, 1, 1, width].
         self.bias = torch.zeros((g, 1, 1, width), dtype=self.pk[0].dtype, device=dev)
         self.bias.masked_fill_(mask[:, None, None, :] == 0, float("-inf"))
@@ -97,7 +104,7 @@ class PrefixDecoder:
 
     def _attend(self, q: torch.Tensor, li: int, scale: float) -> torch.Tensor:
         """q [rows, kv_heads, rep, d] -> attention output [rows, kv_heads, rep, d]."""
-        rows, kvh, rep, d = q.shape
+        _, kvh, rep, d = q.shape
         ng = self.live_groups.numel()
         if self.dense:
             qp = q
