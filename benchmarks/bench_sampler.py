@@ -28,13 +28,14 @@ def run_config(model_dir: str, P: int, R: int, n: int, prompts: int, reps: int, 
     model = load_model(model_dir)
     tok = load_tokenizer(model_dir)
     engine = TorchEngine(load_model(model_dir), tok, max_batch_sequences=256)
+    old_engine = TorchEngine(load_model(model_dir), tok, max_batch_sequences=256, shared_prefix=False)
     rng = random.Random(P + n)
     batch = [[rng.randrange(8, model.config.vocab_size) for _ in range(P)] for _ in range(prompts)]
     params = SamplingParams(max_tokens=R, temperature=1.0, stop_at_eos=False, seed=0)
     ids = torch.tensor(batch)
 
-    def floe_run() -> None:
-        groups = engine.generate(batch, n, params, seeds=prompt_seeds(0, len(batch)), version=0)
+    def floe_run(e: TorchEngine = engine) -> None:
+        groups = e.generate(batch, n, params, seeds=prompt_seeds(0, len(batch)), version=0)
         assert sum(len(s.tokens) for g in groups for s in g.samples) == prompts * n * R
 
     @torch.inference_mode()
@@ -46,12 +47,13 @@ def run_config(model_dir: str, P: int, R: int, n: int, prompts: int, reps: int, 
         )
         assert out.shape == (prompts * n, P + R)
 
-    times = time_interleaved({"floe": floe_run, "hf_generate": hf_run}, reps, progress=progress)
+    times = time_interleaved({"floe": floe_run, "floe_old": lambda: floe_run(old_engine), "hf_generate": hf_run}, reps, progress=progress)
     tokens = prompts * n * R
     out: dict[str, Any] = {"P": P, "R": R, "n": n, "prompts": prompts, "tokens": tokens}
     for arm, t in times.items():
         out[arm] = {**summary(t), "tokens_per_s": tokens / min(t)}
     out["speedup"] = out["floe"]["tokens_per_s"] / out["hf_generate"]["tokens_per_s"]
+    out["speedup_old_path"] = out["floe_old"]["tokens_per_s"] / out["hf_generate"]["tokens_per_s"]
     return out
 
 
@@ -71,11 +73,12 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--n", type=int, nargs="+", default=None, help="samples per prompt (default 4 8 16)")
     model_arguments(ap, "sampler")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = str(tiny_model_dir(args.hidden, args.layers))
-    ns = [8] if args.quick else [4, 8, 16]
+    ns = args.n or ([8] if args.quick else [4, 8, 16])
     results = []
     with progress_bar() as progress:
         task = progress.add_task("n", total=len(ns))
@@ -85,7 +88,8 @@ def main() -> None:
             progress.advance(task)
             progress.console.print(
                 f"n={n}: floe {r['floe']['tokens_per_s']:.0f} tok/s, generate "
-                f"{r['hf_generate']['tokens_per_s']:.0f} tok/s -> {r['speedup']:.2f}x"
+                f"{r['hf_generate']['tokens_per_s']:.0f} tok/s -> {r['speedup']:.2f}x "
+                f"(old path {r['floe_old']['tokens_per_s']:.0f} tok/s, {r['speedup_old_path']:.2f}x)"
             )
             write_json(args.name, {"model": {"hidden": args.hidden, "layers": args.layers}, "results": results})
     plot(results, args.name)

@@ -94,3 +94,26 @@ def sample_categorical(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor
     # so it can never be that first index.
     index = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
     return index.clamp_max(logits.shape[-1] - 1)
+
+
+def sample_from_weights(weights: torch.Tensor, keys: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """`sample_categorical` on unnormalised probabilities: one index per row of `weights`
+    [rows, vocab] (>= 0, 0 = excluded), inverse transform sampling with the same uniform
+    `uniforms(keys, 1)`, so it picks what `sample_categorical(log(weights), keys)` picks up to
+    float64 rounding of the cumulative sums. Cheap: float64 sums over blocks of `block` entries,
+    then a cumulative sum within the one chosen block only (not over the whole vocabulary)."""
+    rows, vocab = weights.shape
+    u = uniforms(keys.to(weights.device), 1)  # [rows, 1]
+    nblocks = -(-vocab // block)
+    padded = weights if nblocks * block == vocab else torch.nn.functional.pad(weights, (0, nblocks * block - vocab))
+    blocks = padded.view(rows, nblocks, block)
+    block_cdf = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # [rows, nblocks]
+    total = block_cdf[:, -1:]
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    b = torch.searchsorted(block_cdf, target, right=True).clamp_max(nblocks - 1)  # [rows, 1]
+    before = torch.where(b > 0, block_cdf.gather(-1, (b - 1).clamp_min(0)), torch.zeros_like(target))
+    inner = blocks.gather(1, b.unsqueeze(-1).expand(rows, 1, block)).squeeze(1).double().cumsum(-1)  # [rows, block]
+    last = inner[:, -1:]
+    rest = torch.minimum(target - before, torch.nextafter(last, torch.zeros_like(last)))
+    j = torch.searchsorted(inner, rest, right=True).clamp_max(block - 1)
+    return (b * block + j).squeeze(-1).clamp_max(vocab - 1)

@@ -44,7 +44,8 @@ from floe.sampler.engine import (
     seeds_match_prompts,
 )
 from floe.sampler.kv_cache import preallocated_cache
-from floe.sampler.noise import derive, derive_tensor, sample_categorical
+from floe.sampler.noise import derive, derive_tensor, sample_from_weights
+from floe.sampler.prefix_decode import PrefixDecoder, supports_prefix_decode
 from floe.types import SampledGroup, SampledSequence, SamplingParams, StopReason
 
 
@@ -76,7 +77,7 @@ def draw_tokens(
     temperature-scaled distribution before top-k/top-p.
 
     The token is drawn from the temperature-scaled, top-k/top-p filtered distribution by
-    inverse transform sampling (`noise.sample_categorical`) with the uniform of `keys` [rows]
+    inverse transform sampling (`noise.sample_from_weights`, the same draw as `noise.sample_categorical`) with the uniform of `keys` [rows]
     int64 (one key per row and step), so a row's draw depends on its key and logits only.
 
     Temperature 0 is greedy: the argmax of each row (top-k/top-p cannot exclude it, and
@@ -87,9 +88,14 @@ def draw_tokens(
         chosen_logp = torch.log_softmax(logits, dim=-1).gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
         return chosen, chosen_logp
     scaled = logits / params.temperature
-    logp_all = torch.log_softmax(scaled, dim=-1)
-    chosen = sample_categorical(filter_logits(scaled, params.top_k, params.top_p), keys)
-    chosen_logp = logp_all.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
+    # One exp pass serves both the log-probs (max and log-sum-exp) and the draw's weights.
+    top = scaled.amax(-1, keepdim=True)
+    weights = torch.exp(scaled - top)
+    log_total = weights.sum(-1, keepdim=True).log()
+    if params.top_k > 0 or params.top_p < 1.0:
+        weights = weights.masked_fill(filter_logits(scaled, params.top_k, params.top_p) == float("-inf"), 0.0)
+    chosen = sample_from_weights(weights, keys)
+    chosen_logp = (scaled.gather(-1, chosen.unsqueeze(-1)) - top - log_total).squeeze(-1)
     return chosen, chosen_logp
 
 
@@ -178,8 +184,12 @@ class _Rows:
 class TorchEngine:
     """`SamplerEngine` on a transformers model in this process (CPU or GPU)."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_batch_sequences: int):
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_batch_sequences: int,
+                 shared_prefix: bool = True):
+        """`shared_prefix`: decode with `prefix_decode.PrefixDecoder` (each prompt's KV stored once)
+        where the model supports it; False keeps the padded path (prompt KV repeated n times)."""
         self.model = model
+        self.shared_prefix = shared_prefix and supports_prefix_decode(model)
         self.tokenizer = tokenizer
         self.max_batch_sequences = max_batch_sequences
         self.device = next(model.parameters()).device
@@ -284,20 +294,33 @@ class TorchEngine:
         self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[int], version: int,
         on_step: OnStep | None = None, first_row: int = 0,
     ) -> list[SampledGroup]:
-        state = self._prefill(prompts, n, params.max_tokens)
         rows = _Rows.start(len(prompts) * n, self._stop_ids(params), params.stop, params.top_logprobs > 0)
+        decoder: PrefixDecoder | None = None
+        if self.shared_prefix:
+            decoder = PrefixDecoder(self.model, prompts, n, params.max_tokens, self.tokenizer.pad_token_id or 0,
+                                    self._cache_kw)
+            logits = decoder.prefill()
+        else:
+            state = self._prefill(prompts, n, params.max_tokens)
+            logits = state.logits
         # Row gi * n + k is sample k of prompt gi: its seed is derive(seeds[gi], k).
         row_seeds = torch.tensor([derive(s, k) for s in seeds for k in range(n)], dtype=torch.int64, device=self.device)
         for step in range(params.max_tokens):
             alive = torch.tensor(rows.alive, device=self.device)
-            chosen, chosen_logp = draw_tokens(state.logits, params, derive_tensor(row_seeds[alive], step))
-            keep = rows.record(chosen, chosen_logp, self.tokenizer, top_logprobs(state.logits, params))
-            if on_step is not None:  # this step's token of every row that drew one (the call's row ids)
+            chosen, chosen_logp = draw_tokens(logits, params, derive_tensor(row_seeds[alive], step))
+            keep = rows.record(chosen, chosen_logp, self.tokenizer, top_logprobs(logits, params))
+            if on_step is not None:  # this step's token of every row that drew one (`rows.alive`: the call's row ids)
                 on_step([StepToken(first_row + r, rows.tokens[r][-1], rows.logps[r][-1],
                                    tuple(rows.tops[r][-1]) if rows.tops is not None else None) for r in rows.alive])
             if not keep or step == params.max_tokens - 1:
                 break
-            self._decode_step(state, rows, chosen, keep)
+            if decoder is not None:
+                logits = decoder.step(chosen, keep)  # finished rows leave the batch here
+                if len(keep) < len(rows.alive):
+                    rows.alive = [rows.alive[j] for j in keep]
+            else:
+                self._decode_step(state, rows, chosen, keep)
+                logits = state.logits
         return rows.pack(prompts, n, version, logprob_temperature(params))
 
     def _prefill(self, prompts: list[list[int]], n: int, max_tokens: int) -> _DecodeState:
