@@ -162,10 +162,24 @@ def _rank_step(zone: Any, world: int) -> dict[str, Any]:
 
 
 def _full(zone: Any) -> dict[str, torch.Tensor]:
+    """The sync's buckets as one dict, tied names as separate copies (so safetensors saves them)."""
     out: dict[str, torch.Tensor] = {}
     for bucket in zone.full_tensor_buckets(4000):
-        out.update(bucket)
+        out.update({k: v.clone() for k, v in bucket.items()})
     return out
+
+
+def _tied_in_one_bucket(zone: Any) -> bool | None:
+    """Whether every tied name is in its first name's bucket as the same tensor object (what
+    lets a broadcast send it once); None on ranks that yield empty buckets."""
+    found: dict[str, torch.Tensor] = {}
+    for bucket in zone.full_tensor_buckets(4000):
+        for other, first in zone.tied.items():
+            if other in bucket:
+                found[other] = bucket[other] if bucket.get(first) is bucket[other] else torch.empty(0)
+    if not found:
+        return None
+    return all(t.numel() for t in found.values()) and found.keys() == zone.tied.keys()
 
 
 def _rank_main(rank: int, world: int, scenario: str, work: str) -> None:
@@ -196,6 +210,7 @@ def _rank_main(rank: int, world: int, scenario: str, work: str) -> None:
                 # ... and the zone goes on: the buckets a sync sends, the export
                 full = _full(zone)
                 rec["bucket_names"] = list(full)
+                rec["tied_in_one_bucket"] = _tied_in_one_bucket(zone)
                 zone.export_hf(out / "export")
                 # the local ("full") state of the same step loads into the ranks
                 local = root / "local" / kind
@@ -293,7 +308,9 @@ def test_ranks_save_once_and_load_across_rank_counts_and_layouts(ranks, kind):
 @pytest.mark.parametrize("kind", ["tied", "untied"])
 def test_ranks_export_and_sync_buckets_and_a_failed_save_is_a_state_error(ranks, kind):
     work, local, two = ranks["work"], ranks["local"][kind], ranks["two"][kind]
-    assert two["bucket_names"] == list(local["weights"])  # a sync sends every name the sampler holds
+    assert sorted(two["bucket_names"]) == sorted(local["weights"])  # a sync sends every name the sampler holds
+    if kind == "tied":  # ... and a tied tensor once: under both names, one tensor, in one bucket
+        assert two["tied_in_one_bucket"] is True
     exported = work / "two" / kind / "export"
     assert (HEAD in _keys(exported / "model.safetensors")) is (kind == "untied")  # as HF itself saves a tied model
     back = AutoModelForCausalLM.from_pretrained(exported)
