@@ -10,9 +10,11 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 import floe
@@ -97,6 +99,23 @@ def start_server(tmp_path: Path, server_model: Path):
     yield start
     for s in servers:
         s.stop(signal.SIGKILL)
+
+
+def own_server(tmp_path_factory: pytest.TempPathFactory, model: Path, name: str, token: str) -> Iterator[ServerProcess]:
+    """A module's own server on `model` (a fresh state dir under `name`), stopped after it:
+    `yield from own_server(...)` in a module-scoped fixture."""
+    tmp = tmp_path_factory.mktemp(name)
+    config = write_config(tmp / "serve.toml", model, tmp / "states")
+    proc = ServerProcess(config, free_port(), tmp / "server.log", token=token).wait_ready()
+    yield proc
+    proc.stop(signal.SIGKILL)
+
+
+def openai_sdk(server: ServerProcess, token: str) -> Iterator[openai.OpenAI]:
+    """The real openai SDK on `server`'s /v1 (no retries: a failure shows), closed after it."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=token, max_retries=0, timeout=120)
+    yield client
+    client.close()
 
 
 @pytest.fixture(scope="session")

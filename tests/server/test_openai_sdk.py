@@ -4,7 +4,6 @@ floe's message, field and code."""
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 
 import openai
@@ -13,7 +12,7 @@ from transformers import AutoTokenizer
 
 import floe
 
-from .conftest import ServerProcess, free_port, write_config
+from .conftest import ServerProcess, openai_sdk, own_server
 
 TOKEN = "sdk-token"
 HI = [{"role": "user", "content": "hi"}]
@@ -22,18 +21,12 @@ HI = [{"role": "user", "content": "hi"}]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, server_model: Path):
     """A fresh server of its own: policy and sampler weights are still equal (no training)."""
-    tmp = tmp_path_factory.mktemp("openai-sdk")
-    config = write_config(tmp / "serve.toml", server_model, tmp / "states")
-    proc = ServerProcess(config, free_port(), tmp / "server.log", token=TOKEN).wait_ready()
-    yield proc
-    proc.stop(signal.SIGKILL)
+    yield from own_server(tmp_path_factory, server_model, "openai-sdk", TOKEN)
 
 
 @pytest.fixture(scope="module")
 def sdk(server: ServerProcess):
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=TOKEN, max_retries=0, timeout=120)
-    yield client
-    client.close()
+    yield from openai_sdk(server, TOKEN)
 
 
 def test_model_id_is_short(sdk: openai.OpenAI) -> None:

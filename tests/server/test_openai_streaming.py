@@ -6,7 +6,6 @@ byte-level tokenizer (characters split over several tokens)."""
 
 from __future__ import annotations
 
-import signal
 import time
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from transformers import PreTrainedTokenizerFast
 
 from floe.server.protocols.openai_render import Detokenizer
 
-from .conftest import ServerProcess, free_port, write_config
+from .conftest import ServerProcess, openai_sdk, own_server
 
 TOKEN = "stream-token"
 HI = [{"role": "user", "content": "hi"}]
@@ -26,18 +25,12 @@ HI = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, server_model: Path):
-    tmp = tmp_path_factory.mktemp("openai-stream")
-    config = write_config(tmp / "serve.toml", server_model, tmp / "states")
-    proc = ServerProcess(config, free_port(), tmp / "server.log", token=TOKEN).wait_ready()
-    yield proc
-    proc.stop(signal.SIGKILL)
+    yield from own_server(tmp_path_factory, server_model, "openai-stream", TOKEN)
 
 
 @pytest.fixture(scope="module")
 def sdk(server: ServerProcess):
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=TOKEN, max_retries=0, timeout=120)
-    yield client
-    client.close()
+    yield from openai_sdk(server, TOKEN)
 
 
 def _streamed(chunks: list, kind: str, n: int) -> dict[int, dict]:
