@@ -56,7 +56,7 @@ import mmap
 import os
 import re
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -67,7 +67,7 @@ from floe.sampler.engine import Fingerprint, fingerprints, nonfinite, tensor_key
 if TYPE_CHECKING:
     from floe.backend.sampler import SamplerZone
 
-__all__ = ["SHM_DIR", "SharedSegment", "receive_shared"]
+__all__ = ["SHM_DIR", "SharedSegment", "apply_shared", "receive_shared"]
 
 SHM_DIR = "/dev/shm"
 _ALIGN = 64
@@ -231,7 +231,7 @@ def _bad(why: str) -> StateError:
                       "incomplete until a sync succeeds")
 
 
-def _checked(handle: Any, held: dict[str, str], mapped: int) -> list[list[tuple[str, list[int], str, int, int]]]:
+def _checked(handle: Any, held: Mapping[str, str], mapped: int) -> list[list[tuple[str, list[int], str, int, int]]]:
     """The handle's buckets as (name, shape, dtype, offset, nbytes), every entry checked
     against what the sampler holds and against the `mapped` bytes; StateError otherwise."""
     buckets = handle.get("buckets")
@@ -305,16 +305,15 @@ def _open_cuda(handle: dict[str, Any], device: torch.device) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
 
 
-def receive_shared(sampler: SamplerZone, handle: Any, device: torch.device | str = "cpu") -> dict[str, Fingerprint]:
-    """Receive a `SharedSegment.write` handle into `sampler` (module docstring): validate it,
-    copy bucket by bucket, return the fingerprints of ALL the sampler's tensors (for `verify`).
-    StateError for a bad handle (nothing read) or a bucket the engine refuses; the sampler stays
-    incomplete either way."""
+def apply_shared(handle: Any, held: Mapping[str, str], apply: Callable[[dict[str, torch.Tensor]], None],
+                 device: torch.device | str = "cpu") -> None:
+    """Open the segment behind `handle`, validate the whole handle against `held` (name ->
+    dtype name of what the receiver holds) and the mapped size, then call `apply(bucket)` for
+    each bucket (name -> a view of the mapping, or of the sender's GPU buffer: copy it, do not
+    keep it); the mapping is closed before return. StateError for a bad handle (nothing read)."""
     device = torch.device(device)
-    sampler.begin_receive()
     if not isinstance(handle, dict) or handle.get("kind") not in ("shm", "cuda_ipc"):
         raise _bad('kind is not "shm" or "cuda_ipc"')
-    held = sampler.held_dtypes()
     mapping: mmap.mmap | None = None
     if handle["kind"] == "cuda_ipc":
         data: torch.Tensor | None = _open_cuda(handle, device)
@@ -327,7 +326,7 @@ def receive_shared(sampler: SamplerZone, handle: Any, device: torch.device | str
         for entries in buckets:
             bucket = {name: data[offset:offset + nbytes].view(_DTYPES[dtype]).view(shape)
                       for name, shape, dtype, offset, nbytes in entries}
-            sampler.receive_bucket(bucket)
+            apply(bucket)
             bucket = None
         if data.device.type == "cuda":
             torch.cuda.current_stream(data.device).synchronize()  # the copies out of the sender's buffer are done
@@ -338,4 +337,13 @@ def receive_shared(sampler: SamplerZone, handle: Any, device: torch.device | str
                 mapping.close()
             except BufferError:  # a view still referenced (e.g. by a traceback): closed when collected
                 pass
+
+
+def receive_shared(sampler: SamplerZone, handle: Any, device: torch.device | str = "cpu") -> dict[str, Fingerprint]:
+    """Receive a `SharedSegment.write` handle into `sampler` (module docstring): validate it,
+    copy bucket by bucket (`apply_shared` into `receive_bucket`), return the fingerprints of ALL
+    the sampler's tensors (for `verify`). StateError for a bad handle (nothing read) or a bucket
+    the engine refuses; the sampler stays incomplete either way."""
+    sampler.begin_receive()
+    apply_shared(handle, sampler.held_dtypes(), sampler.receive_bucket, device)
     return sampler.end_receive()
