@@ -158,9 +158,13 @@ class SharedSegment:
         assert new.view is not None
         if old is not None:
             keep = min(used, old.size)  # `used` is aligned: it may pass the old end
-            if keep:
-                assert old.view is not None
-                new.view[:keep].copy_(old.view[:keep])
+            try:
+                if keep:
+                    assert old.view is not None
+                    new.view[:keep].copy_(old.view[:keep])
+            except BaseException:
+                new.close()  # never a segment nobody owns
+                raise
             old.close()
         self._buffer = new
         return new.view
@@ -221,9 +225,16 @@ class SharedSegment:
         return handle, prints, written
 
     def close(self) -> None:
+        """Free the segment (unlink the /dev/shm file); the next `write` makes a new one."""
         if self._buffer is not None:
             self._buffer.close()
             self._buffer = None
+
+    def __del__(self) -> None:  # a sender dropped without close (not a killed process: that leaks the file)
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001, S110 - interpreter shutdown
+            pass
 
 
 def _bad(why: str) -> StateError:
