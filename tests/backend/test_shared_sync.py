@@ -187,3 +187,24 @@ def test_segment_reused_grown_and_unlinked() -> None:
         name = segment.name
         segment.close()
     assert name is not None and not os.path.exists(os.path.join(SHM_DIR, name))
+
+
+def test_cuda_ipc_guards_on_cpu() -> None:
+    """The CUDA IPC path is not run here (no GPU); its guards are: CPU tensors with cuda_ipc
+    asked for still go through /dev/shm, and a CUDA handle reaching a CPU receiver is refused."""
+    from floe.backend.sync.shared import apply_shared
+
+    segment = SharedSegment()
+    try:
+        handle, _, _ = segment.write([{"a": torch.ones(4)}], cuda_ipc=True)
+        assert handle["kind"] == "shm"
+        got: dict[str, torch.Tensor] = {}
+        apply_shared(handle, {"a": "float32"}, lambda b: got.update({k: v.clone() for k, v in b.items()}))
+        assert torch.equal(got["a"], torch.ones(4))
+    finally:
+        segment.close()
+    fake = {"kind": "cuda_ipc", "device_uuid": "GPU-0", "ipc": [0, "00", 8, 0, "00", 0, "00", False], "buckets": []}
+    with pytest.raises(StateError, match="CUDA IPC handle reached a receiver on cpu"):
+        apply_shared(fake, {}, lambda b: None, "cpu")
+    with pytest.raises(StateError, match='kind is not "shm"'):
+        apply_shared({"kind": "pickle"}, {}, lambda b: None)
