@@ -177,7 +177,7 @@ class SharedSegment:
         finite or has a dtype that cannot be shared."""
         layout: list[list[list[Any]]] = []
         prints: dict[str, Fingerprint] = {}
-        used = 0
+        used = written = 0
         device: torch.device | None = None
         chosen = False
         for bucket in buckets:
@@ -206,14 +206,13 @@ class SharedSegment:
                         view[used:used + nbytes].copy_(src)
                     placed[key] = used
                     used = _aligned(used + nbytes)
+                    written += nbytes
                 entries.append([name, list(t.shape), dtype, placed[key]])
             prints.update(fingerprints(bucket))
             layout.append(entries)
         self._room(used, used, device)  # a segment exists even for empty weights
         buffer = self._buffer
         assert buffer is not None and buffer.view is not None
-        written = sum(math.prod(e[1]) * _DTYPES[e[2]].itemsize
-                      for entries in layout for e in {e[3]: e for e in entries}.values())
         if isinstance(buffer, _CudaBuffer):
             torch.cuda.current_stream(buffer.device).synchronize()  # every copy done before a receiver reads
             ipc = buffer.view.untyped_storage()._share_cuda_()  # type: ignore[attr-defined]
