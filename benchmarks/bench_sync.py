@@ -10,6 +10,14 @@ model's state dict, built on the meta device and filled at random):
   `send_weights` in `--bucket-mb` buckets (fingerprints included), ranks 1–2 `receive_weights`,
   copy each bucket in place and fingerprint what they hold; timed from a barrier before to a
   barrier after (every receiver done); the receivers' fingerprints are checked against rank 0's;
+* **shared memory 1 → 2** (three processes, `floe.backend.sync.shared`): the sender
+  `SharedSegment.write`s the weights in `--bucket-mb` buckets into its reused /dev/shm segment
+  (finiteness and fingerprints included) and hands the JSON handle over; both receivers at once
+  `apply_shared` it (map, validate, copy each bucket in place) and fingerprint what they hold;
+  timed by the sender like the gloo arm, from a barrier before the write to a barrier after
+  every receiver is done; the receivers' fingerprints are checked against the sender's. (On a
+  GPU the same module shares a GPU buffer by CUDA IPC instead; this CPU benchmark does not run
+  that path.)
 * **memcpy**: one `torch` copy of a buffer of the same number of bytes (the bandwidth bound);
 * **fingerprints**: the exact int64 block fingerprint of every tensor, once (part of both syncs);
 * **finiteness**: the cheap non-finite check (`nonfinite`), once (part of both syncs);
@@ -141,6 +149,56 @@ def broadcast_arm(model: str, reps: int, bucket_bytes: int, threads: int) -> dic
                 "fingerprints_equal": equal}
 
 
+def _shared_worker(rank: int, barrier: Any, model: str, reps: int, bucket_bytes: int, threads: int, out: str) -> None:
+    """One process of the shared-memory 1 → 2 arm (rank 0 writes, ranks 1-2 copy); each writes
+    its timings and final fingerprints to `out`/shm<r>.json."""
+    torch.set_num_threads(threads)
+    from floe.backend.sync.broadcast import bucketed
+    from floe.backend.sync.shared import SharedSegment, apply_shared
+    from floe.sampler.engine import copy_in_place, fingerprints
+
+    tensors = make_tensors(model, random=rank == 0)
+    held = {name: str(t.dtype).removeprefix("torch.") for name, t in tensors.items()}
+    handle_file = Path(out, "handle.json")
+    segment = SharedSegment() if rank == 0 else None
+    seconds, sent, prints = [], 0, {}
+    try:
+        for _ in range(reps + 1):  # the first: warm-up (the segment's creation and page faults)
+            barrier.wait()
+            began = time.perf_counter()
+            if segment is not None:
+                handle, prints, sent = segment.write(bucketed(tensors.items(), bucket_bytes))
+                handle_file.write_text(json.dumps(handle))
+            barrier.wait()  # the handle is out
+            if segment is None:
+                apply_shared(json.loads(handle_file.read_text()), held,
+                             lambda bucket: copy_in_place(tensors, bucket, "bench", partial=True))
+                prints = fingerprints(tensors)
+            barrier.wait()  # every receiver done
+            seconds.append(time.perf_counter() - began)
+    finally:
+        if segment is not None:
+            segment.close()
+    Path(out, f"shm{rank}.json").write_text(json.dumps({"seconds": seconds[1:], "bytes": sent, "fingerprints": prints}))
+
+
+def shared_arm(model: str, reps: int, bucket_bytes: int, threads: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as out:
+        ctx = multiprocessing.get_context("spawn")
+        barrier = ctx.Barrier(3, timeout=900)
+        procs = [ctx.Process(target=_shared_worker, args=(r, barrier, model, reps, bucket_bytes, threads, out))
+                 for r in range(3)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=900)
+        if any(p.exitcode != 0 for p in procs):
+            raise RuntimeError(f"shared-memory workers failed: exit codes {[p.exitcode for p in procs]}")
+        ranks = [json.loads(Path(out, f"shm{r}.json").read_text()) for r in range(3)]
+        equal = ranks[0]["fingerprints"] == ranks[1]["fingerprints"] == ranks[2]["fingerprints"]
+        return {"seconds": ranks[0]["seconds"], "bytes": ranks[0]["bytes"], "fingerprints_equal": equal}
+
+
 def timed(fn: Any, reps: int) -> list[float]:
     fn()  # warm-up (page faults of fresh buffers)
     out = []
@@ -196,15 +254,20 @@ def run_model(model: str, reps: int, bucket_bytes: int, threads: int, progress: 
     progress.advance(task)
     print(f"{model}: floe broadcast min {min(result['gloo_broadcast_s']):.3f} s, raw gloo broadcast min "
           f"{min(result['raw_gloo_broadcast_s']):.3f} s", flush=True)
+    task = progress.add_task(f"{model}: shared memory 1 → 2 ({reps} reps)", total=1)
+    result["shared"] = shared_arm(model, reps, bucket_bytes, threads)
+    result["shared_memory_s"] = result["shared"]["seconds"]
+    progress.advance(task)
+    print(f"{model}: floe shared memory min {min(result['shared_memory_s']):.3f} s", flush=True)
     for arm in ("fingerprints_s", "finiteness_s", "local_inplace_s", "memcpy_s", "gloo_broadcast_s",
-                "raw_gloo_broadcast_s"):
+                "raw_gloo_broadcast_s", "shared_memory_s"):
         best = min(result[arm])
         result[arm.removesuffix("_s") + "_summary"] = {"min_s": best, "median_s": statistics.median(result[arm]),
                                                        "gb_per_s": size / best / 1e9}
     return result
 
 
-def plot(results: dict[str, Any]) -> None:
+def plot(results: dict[str, Any], name: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -212,7 +275,7 @@ def plot(results: dict[str, Any]) -> None:
 
     arms = [("memcpy", "memcpy"), ("fingerprints", "fingerprints"), ("finiteness", "finiteness check"),
             ("local_inplace", "local in-place sync"), ("raw_gloo_broadcast", "raw gloo broadcast 1→2"),
-            ("gloo_broadcast", "floe gloo broadcast 1→2")]
+            ("gloo_broadcast", "floe gloo broadcast 1→2"), ("shared_memory", "floe shared memory 1→2")]
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     models = sorted(results, key=lambda m: results[m]["bytes"])
     sizes = [results[m]["bytes"] / 1e9 for m in models]
@@ -225,7 +288,7 @@ def plot(results: dict[str, Any]) -> None:
     ax.set_title("Weight sync on CPU: time vs model size")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(image_path("sync"), dpi=110)
+    fig.savefig(image_path(name), dpi=110)
 
 
 def main() -> None:
@@ -234,6 +297,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--bucket-mb", type=float, default=256.0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--name", default="sync", help="results file and plot name")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     bucket_bytes = int(args.bucket_mb * 2**20)
@@ -241,13 +305,15 @@ def main() -> None:
     with progress_bar() as progress:
         for model in args.model or ["tiny", "0.6b", "1.7b"]:
             results[model] = run_model(model, args.reps, bucket_bytes, args.threads, progress)
-    path = write_json("sync", {"bucket_bytes": bucket_bytes, "reps": args.reps, "results": results})
-    plot(results)
+    path = write_json(args.name, {"bucket_bytes": bucket_bytes, "reps": args.reps, "results": results})
+    plot(results, args.name)
     print(f"results: {path}")
     for model, res in results.items():
         print(f"{model}: {res['bytes'] / 1e6:.1f} MB in {res['tensors']} tensors ({res['dtype']}); "
-              f"fingerprints equal after broadcast: {res['broadcast']['fingerprints_equal']}")
-        for arm in ("memcpy", "fingerprints", "finiteness", "local_inplace", "raw_gloo_broadcast", "gloo_broadcast"):
+              f"fingerprints equal after broadcast: {res['broadcast']['fingerprints_equal']}, after shared memory: "
+              f"{res['shared']['fingerprints_equal']}")
+        for arm in ("memcpy", "fingerprints", "finiteness", "local_inplace", "raw_gloo_broadcast", "gloo_broadcast",
+                    "shared_memory"):
             s = res[f"{arm}_summary"]
             print(f"  {arm:15s} min {s['min_s'] * 1e3:9.2f} ms  median {s['median_s'] * 1e3:9.2f} ms  "
                   f"{s['gb_per_s']:6.2f} GB/s")

@@ -26,6 +26,8 @@ def test_ray_keys_are_parsed_with_documented_defaults() -> None:
     assert isinstance(p, RayPlacement)
     assert (p.address, p.sync, p.colocate, p.policy.workers, p.sampler.workers) == ("local", "broadcast", False, 2, 3)
     assert p.reference.colocate_with_policy is False
+    for sync in ("broadcast", "object_store", "shared_memory"):
+        assert floe.BackendConfig(model="m", placement={"kind": "ray", "sync": sync}).placement.sync == sync  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(

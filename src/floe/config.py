@@ -214,10 +214,11 @@ class RayPlacement(StrictModel):
         description="policy rank i and sampler replica i share one bundle (the same devices): the sampler "
         "sleeps while the policy trains and the policy offloads while the sampler generates",
     )
-    sync: Literal["broadcast", "object_store"] = Field(
+    sync: Literal["broadcast", "object_store", "shared_memory"] = Field(
         "broadcast",
         description="weight sync: a torch.distributed broadcast from policy rank 0 to every replica "
-        "(NCCL on GPU, gloo on CPU), or Ray's object store (the fallback)",
+        "(NCCL on GPU, gloo on CPU), Ray's object store (the fallback), or shared memory on policy rank 0's "
+        "node (every replica on that node; /dev/shm, or CUDA IPC on a GPU with colocate = true)",
     )
     sync_bucket_mb: float = Field(
         256, ge=1, description="weights move in buckets of this many MiB (a larger tensor travels alone): the sync's "

@@ -1,5 +1,5 @@
 """An fp32 policy with bf16 sampler replicas on the Ray placement (issue 23, item 2): both sync
-methods cast on policy rank 0 to what the replicas hold and verify it; after a sync that
+methods (and shared_memory) cast on policy rank 0 to what the replicas hold and verify it; after a sync that
 fails once the replicas took the weights, they refuse to sample until a sync succeeds."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def _held(ray, backend) -> list[dict]:
     return [ray.get(r.call.remote("held_fingerprints")) for r in backend.sampler.replicas]
 
 
-@pytest.mark.parametrize("sync", ["broadcast", "object_store"])
+@pytest.mark.parametrize("sync", ["broadcast", "object_store", "shared_memory"])
 def test_bf16_replicas_under_an_fp32_policy(ray_cluster, make_backend, sync) -> None:
     backend = make_backend(placement={**SMALL, "sync": sync}, sampler=BF16_ENGINE)
     assert set(backend.sampler.held_dtypes().values()) == {"bfloat16"}

@@ -13,7 +13,7 @@ from tests.ray.steps import Record, assert_close_weights, grpo_step, weights
 TOL = 1e-5
 
 
-@pytest.mark.parametrize("sync", ["broadcast", "object_store"])
+@pytest.mark.parametrize("sync", ["broadcast", "object_store", "shared_memory"])
 def test_ray_matches_local_over_three_grpo_steps(ray_cluster, make_backend, sync: str, tmp_path) -> None:
     local = make_backend()
     ray_backend = make_backend(placement={**RAY_PLACEMENT, "sync": sync})

@@ -2,8 +2,8 @@
 
 A sync is one call, `WeightSync.sync(policy, sampler)`: the method decides how the weights
 travel (in one process: `policy.publish()` → `sampler.receive`, `local.InPlaceCopy`; across
-processes: a torch.distributed broadcast group or an object store, owned by the placement that
-put the zones there) and returns a `SyncReport`: the fingerprints the policy published, the
+processes: a torch.distributed broadcast group, an object store or a same-host shared-memory
+segment, owned by the placement that put the zones there) and returns a `SyncReport`: the fingerprints the policy published, the
 fingerprints the sampler(s) report holding afterwards, and the bytes moved. The coordinator
 then calls `verify` (published == received) and only then bumps the sampler version. Every
 method refuses non-finite weights (`check_publishable`) before anything moves; a failed check

@@ -5,7 +5,9 @@
 reference on its own actor or in policy rank 0), joins the policy ranks into their policy
 group and policy rank 0 and the replicas into the standalone sync group (`actors.py`), and
 returns `placement.Zones` whose zones are driver-side proxies (`proxies.py`) and whose weight
-sync is `sync.RayBroadcastSync` or `sync.RayObjectStoreSync`. Every wait is bounded: start-up
+sync is `sync.RayBroadcastSync`, `sync.RayObjectStoreSync` or `sync.RaySharedMemorySync` (which
+needs every replica on policy rank 0's node: checked once the actors run, InvalidInput
+"placement.sync" otherwise). Every wait is bounded: start-up
 by placement.start_timeout_s, every zone call by placement.call_timeout_s (`calls.py`: a dead
 or hung worker becomes WorkerFailed naming the zone and rank). `Zones.close()` kills the
 actors, gives the bundles back and, when this backend started the cluster ("local"), stops it.
@@ -39,7 +41,7 @@ def build_ray(config: BackendConfig, tokenizer: PreTrainedTokenizerBase) -> Any:
     from floe.placement.ray.actors import PolicyRankHost, ReferenceHost, SamplerHost, remote_class  # noqa: PLC0415
     from floe.placement.ray.calls import PING_GROUPS, Call, gather, track, untrack  # noqa: PLC0415
     from floe.placement.ray.proxies import RayPolicy, RayReference, RaySamplerGroup  # noqa: PLC0415
-    from floe.placement.ray.sync import RayBroadcastSync, RayObjectStoreSync  # noqa: PLC0415
+    from floe.placement.ray.sync import RayBroadcastSync, RayObjectStoreSync, RaySharedMemorySync  # noqa: PLC0415
     from floe.placement.zones import Zones  # noqa: PLC0415
 
     placement = config.placement
@@ -56,6 +58,9 @@ def build_ray(config: BackendConfig, tokenizer: PreTrainedTokenizerBase) -> Any:
 
     def close() -> None:
         untrack(actors)
+        if placement.sync == "shared_memory" and actors:  # rank 0 unlinks its /dev/shm segment first
+            with contextlib.suppress(Exception):  # a rank 0 already gone cannot (its segment outlives it)
+                ray.get(actors[0].close_shared.remote(), timeout=10)
         for actor in actors:
             with contextlib.suppress(Exception):  # an actor already gone is closed
                 ray.kill(actor)
@@ -103,6 +108,16 @@ def build_ray(config: BackendConfig, tokenizer: PreTrainedTokenizerBase) -> Any:
         ready += [Call("sampler", r, a.pid.remote()) for r, a in enumerate(sampler_actors)]
         ready += [Call("reference", 0, reference_host.pid.remote())] if reference_host is not None else []
         gather(ready, left())
+        if placement.sync == "shared_memory":
+            nodes = gather([Call("policy", 0, policy_actors[0].node_id.remote()),
+                            *(Call("sampler", r, a.node_id.remote()) for r, a in enumerate(sampler_actors))], left())
+            away = [r for r, node in enumerate(nodes[1:]) if node != nodes[0]]
+            if away:
+                from floe.errors import InvalidInput  # noqa: PLC0415
+
+                raise InvalidInput("placement.sync", f'"shared_memory" needs every sampler replica on policy rank 0\'s '
+                                   f"node; replicas {away} run on other nodes: use \"broadcast\" (or place them on "
+                                   "one node)")
         shape = gather([Call("policy", 0, policy_actors[0].shape.remote())], left())[0]
         address, policy_port, sync_port = gather([Call("policy", 0, policy_actors[0].rendezvous.remote())], left())[0]
         sync_world = 1 + len(sampler_actors)
@@ -121,7 +136,10 @@ def build_ray(config: BackendConfig, tokenizer: PreTrainedTokenizerBase) -> Any:
             reference = RayReference(reference_host if reference_host is not None else policy_actors[0],
                                      reference_host is None, timeout)
         bucket_bytes = int(placement.sync_bucket_mb * 2**20)
-        weight_sync = (RayBroadcastSync if placement.sync == "broadcast" else RayObjectStoreSync)(bucket_bytes, timeout)
+        if placement.sync == "shared_memory":
+            weight_sync: Any = RaySharedMemorySync(bucket_bytes, timeout, cuda_ipc=gpu and placement.colocate)
+        else:
+            weight_sync = (RayBroadcastSync if placement.sync == "broadcast" else RayObjectStoreSync)(bucket_bytes, timeout)
         modes = _Colocation(policy, sampler)
     except BaseException:
         close()

@@ -74,6 +74,12 @@ class _Host:
     def pid(self) -> int:
         return os.getpid()
 
+    def node_id(self) -> str:
+        """The Ray node this actor runs on (placement.sync = "shared_memory" needs one node)."""
+        import ray  # noqa: PLC0415
+
+        return str(ray.get_runtime_context().get_node_id())
+
 
 class _GroupMember(_Host):
     """An actor that joins the sync group (and, on a policy rank, the policy group)."""
@@ -179,6 +185,40 @@ class PolicyRankHost(_GroupMember):
                 refs.append(ray.put(bucket))
         return (refs, prints, size) if self.rank == 0 else None
 
+    segment: Any = None  # rank 0's shared-memory segment (placement.sync = "shared_memory")
+
+    def write_shared(self, bucket_bytes: int, dtypes: dict[str, str] | None = None, cuda_ipc: bool = False
+                     ) -> tuple[str, dict[str, Any], int] | None:
+        """Shared-memory sync, policy side (collective): rank 0 writes every bucket, cast to
+        `dtypes` (what the replicas hold), into its segment (`backend.sync.shared`; on the GPU
+        with CUDA IPC when `cuda_ipc`) and returns (the handle as a JSON string, fingerprints of
+        the cast tensors, bytes written)."""
+        import json  # noqa: PLC0415
+
+        from floe.backend.sync.base import cast_tensors  # noqa: PLC0415
+        from floe.backend.sync.shared import SharedSegment  # noqa: PLC0415
+
+        source = self.zone.full_tensor_buckets(bucket_bytes)
+        if self.rank != 0:
+            for _ in source:
+                pass  # the other ranks take part in every gather
+            return None
+        if self.segment is None:
+            self.segment = SharedSegment()
+        try:
+            handle, prints, size = self.segment.write((cast_tensors(b, dtypes or {}) for b in source), cuda_ipc)
+        except BaseException:
+            for _ in source:
+                pass  # finish the gathers the other ranks are in, then fail
+            raise
+        return json.dumps(handle), prints, size
+
+    def close_shared(self) -> None:
+        """Unlink the shared-memory segment (the placement's close, before the actor is killed)."""
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
+
 
 class SamplerHost(_GroupMember):
     """One sampler replica (`backend.sampler.SamplerZone` around the configured engine)."""
@@ -222,6 +262,22 @@ class SamplerHost(_GroupMember):
             (bucket,) = fetch([ref], "sampler", self.replica, timeout_s)
             self.zone.receive_bucket(bucket)
         return self.zone.end_receive()
+
+    def take_shared(self, handle: str) -> dict[str, Any]:
+        """Shared-memory sync, replica side: the segment behind `handle` (JSON, from policy rank
+        0's `write_shared`) into the engine (`backend.sync.shared.receive_shared`)."""
+        import json  # noqa: PLC0415
+
+        from floe.backend.sync.shared import receive_shared  # noqa: PLC0415
+        from floe.errors import StateError  # noqa: PLC0415
+
+        try:
+            parsed = json.loads(handle)
+        except (TypeError, ValueError):
+            self.zone.begin_receive()
+            raise StateError("sync_weights: the shared-memory handle is not JSON; the sampler's weights are incomplete "
+                             "until a sync succeeds") from None
+        return receive_shared(self.zone, parsed, self.device)
 
 
 class ReferenceHost(_Host):
