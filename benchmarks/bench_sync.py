@@ -130,23 +130,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _three(target: Any, extra: tuple, what: str, out: str, prefix: str) -> list[dict[str, Any]]:
+    """Run `target(rank, *extra, out)` in three spawned processes (ranks 0-2) and read each
+    rank's `out`/<prefix><rank>.json."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(r, *extra, out)) for r in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=900)
+    if any(p.exitcode != 0 for p in procs):
+        raise RuntimeError(f"{what} workers failed: exit codes {[p.exitcode for p in procs]}")
+    return [json.loads(Path(out, f"{prefix}{r}.json").read_text()) for r in range(3)]
+
+
+def _equal_fingerprints(ranks: list[dict[str, Any]]) -> bool:
+    return ranks[0]["fingerprints"] == ranks[1]["fingerprints"] == ranks[2]["fingerprints"]
+
+
 def broadcast_arm(model: str, reps: int, bucket_bytes: int, threads: int) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = tmp
-        ctx = multiprocessing.get_context("spawn")
-        port = _free_port()
-        procs = [ctx.Process(target=_broadcast_worker, args=(r, port, model, reps, bucket_bytes, threads, out))
-                 for r in range(3)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=900)
-        if any(p.exitcode != 0 for p in procs):
-            raise RuntimeError(f"broadcast workers failed: exit codes {[p.exitcode for p in procs]}")
-        ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(3)]
-        equal = ranks[0]["fingerprints"] == ranks[1]["fingerprints"] == ranks[2]["fingerprints"]
+    with tempfile.TemporaryDirectory() as out:
+        ranks = _three(_broadcast_worker, (_free_port(), model, reps, bucket_bytes, threads), "broadcast", out, "rank")
         return {"seconds": ranks[0]["seconds"], "raw_seconds": ranks[0]["raw_seconds"], "bytes": ranks[0]["bytes"],
-                "fingerprints_equal": equal}
+                "fingerprints_equal": _equal_fingerprints(ranks)}
 
 
 def _shared_worker(rank: int, barrier: Any, model: str, reps: int, bucket_bytes: int, threads: int, out: str) -> None:
@@ -184,19 +190,9 @@ def _shared_worker(rank: int, barrier: Any, model: str, reps: int, bucket_bytes:
 
 def shared_arm(model: str, reps: int, bucket_bytes: int, threads: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as out:
-        ctx = multiprocessing.get_context("spawn")
-        barrier = ctx.Barrier(3, timeout=900)
-        procs = [ctx.Process(target=_shared_worker, args=(r, barrier, model, reps, bucket_bytes, threads, out))
-                 for r in range(3)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=900)
-        if any(p.exitcode != 0 for p in procs):
-            raise RuntimeError(f"shared-memory workers failed: exit codes {[p.exitcode for p in procs]}")
-        ranks = [json.loads(Path(out, f"shm{r}.json").read_text()) for r in range(3)]
-        equal = ranks[0]["fingerprints"] == ranks[1]["fingerprints"] == ranks[2]["fingerprints"]
-        return {"seconds": ranks[0]["seconds"], "bytes": ranks[0]["bytes"], "fingerprints_equal": equal}
+        barrier = multiprocessing.get_context("spawn").Barrier(3, timeout=900)
+        ranks = _three(_shared_worker, (barrier, model, reps, bucket_bytes, threads), "shared-memory", out, "shm")
+        return {"seconds": ranks[0]["seconds"], "bytes": ranks[0]["bytes"], "fingerprints_equal": _equal_fingerprints(ranks)}
 
 
 def timed(fn: Any, reps: int) -> list[float]:

@@ -59,3 +59,16 @@ def join_all(processes: list[Any], timeout_s: float = RANK_TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout_s
     for process in processes:
         process.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def run_all(processes: list[Any], what: str, timeout_s: float = RANK_TIMEOUT_S) -> None:
+    """Start `processes`, wait for them (`join_all`), and assert none hung ("`what` hung") and
+    every one exited 0."""
+    for process in processes:
+        process.start()
+    join_all(processes, timeout_s)
+    alive = [p for p in processes if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, f"{what} hung"
+    assert [p.exitcode for p in processes] == [0] * len(processes)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from tests.spawn import collective_timeout, join_all
+from tests.spawn import collective_timeout, run_all
 
 SMALL_BUCKET = 20_000  # bytes: below the tiny model's largest tensor (64 x 128 fp32 = 32,768 bytes)
 
@@ -141,14 +141,7 @@ def test_broadcast_one_sender_two_receivers(tiny_model, tmp_path):
     ctx = multiprocessing.get_context("spawn")
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(r, 3, port, str(tiny_model), str(tmp_path))) for r in range(3)]
-    for p in procs:
-        p.start()
-    join_all(procs)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, "a broadcast process hung"
-    assert [p.exitcode for p in procs] == [0, 0, 0]
+    run_all(procs, "a broadcast process")
     sender, *receivers = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3))
 
     total = sum(t.numel() * t.element_size() for t in _weights(str(tiny_model)).values())

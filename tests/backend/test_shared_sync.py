@@ -27,7 +27,7 @@ from floe.backend.sync.broadcast import bucketed
 from floe.backend.sync.shared import SHM_DIR, SharedSegment
 from floe.errors import StateError
 from floe.models import make_tiny
-from tests.spawn import join_all
+from tests.spawn import run_all
 
 SMALL_BUCKET = 20_000  # bytes: several buckets on the tiny model
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -140,14 +140,7 @@ def test_shared_memory_sync_between_two_processes(tied_model, tmp_path) -> None:
     ctx = multiprocessing.get_context("spawn")
     written, done = ctx.Event(), ctx.Event()
     procs = [ctx.Process(target=fn, args=(str(tied_model), str(tmp_path), written, done)) for fn in (_sender, _receiver)]
-    for p in procs:
-        p.start()
-    join_all(procs)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, "a shared-memory sync process hung"
-    assert [p.exitcode for p in procs] == [0, 0]
+    run_all(procs, "a shared-memory sync process")
     sender = json.loads((tmp_path / "sender.json").read_text())
     got = json.loads((tmp_path / "receiver.json").read_text())
 

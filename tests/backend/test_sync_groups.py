@@ -21,7 +21,7 @@ import torch
 
 from floe.backend.sync.groups import standalone_group
 from floe.errors import InvalidInput
-from tests.spawn import collective_timeout, join_all
+from tests.spawn import collective_timeout, run_all
 
 
 def _free_port() -> int:
@@ -65,14 +65,7 @@ def test_broadcast_over_a_standalone_group_beside_each_process_default_group(tmp
     ctx = multiprocessing.get_context("spawn")
     group_port = _free_port()
     procs = [ctx.Process(target=_member, args=(r, _free_port(), group_port, str(tmp_path))) for r in range(3)]
-    for p in procs:
-        p.start()
-    join_all(procs)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, "a group member hung"
-    assert [p.exitcode for p in procs] == [0, 0, 0]
+    run_all(procs, "a group member")
     sender, *receivers = (json.loads((tmp_path / f"member{r}.json").read_text()) for r in range(3))
     assert [sender["rank"], *(r["rank"] for r in receivers)] == [0, 1, 2]
     assert all(m["size"] == 3 for m in (sender, *receivers))

@@ -84,11 +84,17 @@ def cast_for(snapshot: WeightsSnapshot, dtypes: Mapping[str, str]) -> WeightsSna
 
 
 
+def check_finite(tensors: Mapping[str, torch.Tensor], outcome: str) -> None:
+    """StateError naming the first tensors that hold a NaN or an infinity (`nonfinite`);
+    `outcome` says what that leaves the sampler with (every sync method refuses them alike)."""
+    broken = nonfinite(tensors)
+    if broken:
+        raise StateError(f"sync_weights: policy weights are not finite in {broken[:5]}; {outcome}")
+
+
 def check_publishable(snapshot: WeightsSnapshot) -> None:
     """StateError when any published tensor is not finite (nothing has moved yet)."""
-    broken = nonfinite(snapshot.tensors)
-    if broken:
-        raise StateError(f"sync_weights: policy weights are not finite in {broken[:5]}; the sampler was not changed")
+    check_finite(snapshot.tensors, "the sampler was not changed")
 
 
 def verify(published: Mapping[str, Fingerprint], received: Mapping[str, Fingerprint]) -> None:

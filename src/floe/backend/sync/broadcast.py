@@ -53,8 +53,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from floe.backend.sync.base import check_finite
 from floe.errors import StateError
-from floe.sampler.engine import Fingerprint, fingerprints, nonfinite, tensor_key
+from floe.sampler.engine import Fingerprint, fingerprints, tensor_key
 
 if TYPE_CHECKING:
     from floe.backend.sampler import SamplerZone
@@ -151,10 +152,7 @@ def send_weights(
             if not bucket:
                 continue
             # Checked and fingerprinted while the previous bucket is still on the wire.
-            broken = nonfinite(bucket)
-            if broken:
-                raise StateError(f"sync_weights: policy weights are not finite in {broken[:5]}; the samplers' weights "
-                                 "are incomplete until a sync succeeds")
+            check_finite(bucket, "the samplers' weights are incomplete until a sync succeeds")
             prints = fingerprints(bucket)
             header: list[list[Any]] = []
             first: dict[tuple, str] = {}  # tensor_key -> the bucket's first name of that tensor

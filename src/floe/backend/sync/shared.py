@@ -61,8 +61,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from floe.backend.sync.base import check_finite
 from floe.errors import StateError
-from floe.sampler.engine import Fingerprint, fingerprints, nonfinite, tensor_key
+from floe.sampler.engine import Fingerprint, fingerprints, tensor_key
 
 if TYPE_CHECKING:
     from floe.backend.sampler import SamplerZone
@@ -183,10 +184,7 @@ class SharedSegment:
         for bucket in buckets:
             if not bucket:
                 continue
-            broken = nonfinite(bucket)
-            if broken:
-                raise StateError(f"sync_weights: policy weights are not finite in {broken[:5]}; the samplers' weights "
-                                 "were not changed")
+            check_finite(bucket, "the samplers' weights were not changed")
             if not chosen:  # the first bucket decides where the segment lives
                 first = next(iter(bucket.values()))
                 device = first.device if cuda_ipc and first.device.type == "cuda" else None
