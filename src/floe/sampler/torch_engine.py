@@ -1,22 +1,27 @@
 """The torch engine: batched generation with a preallocated KV cache on its own model copy.
 
-Per call, prompts are processed in chunks of at most `max_batch_sequences` rows. Each prompt
-is prefilled once (left-padded with its chunk-mates), then its KV cache is repeated for its n
-samples, so the prompt costs one prefill however large n is. Decoding runs all rows of the
-chunk together; finished rows are dropped from the cache as they stop.
+Per call, prompts are processed in chunks of at most `max_batch_sequences` rows. Two decode
+paths share one loop:
 
-The KV cache (`kv_cache.preallocated_cache`) and the attention mask are allocated once per
-chunk for prompt width + max_tokens positions, so a decode step writes one position instead
-of re-concatenating the whole cache.
+* shared prefix (the default for Llama, Qwen2 and Qwen3 with full attention,
+  `prefix_decode.supports_prefix_decode`): `prefix_decode.PrefixDecoder` prefills each prompt
+  once and keeps its KV cache once for all its n samples; each row has a small KV buffer of its
+  own for the tokens it generates, and attention joins the two in one softmax;
+* padded (any other model, or `TorchEngine(shared_prefix=False)`): each prompt is prefilled
+  once (left-padded with its chunk-mates), then its KV cache is repeated for its n samples, in
+  a cache (`kv_cache.preallocated_cache`) and attention mask allocated once per chunk for
+  prompt width + max_tokens positions, so a decode step writes one position.
 
-A chunk runs as: `_prefill` → repeat { `draw_tokens` → `_Rows.record` (finished rows) →
-`on_step` (the step's token of every row that drew one, when a callback is given) →
-`_decode_step` } → `_Rows.pack`. Every piece of per-call state (cache, mask, rows) lives in
-locals of the call, so concurrent `generate` calls on one engine are safe.
+Either way finished rows leave the batch as they stop. A chunk runs as: prefill → repeat
+{ `draw_tokens` → `_Rows.record` (finished rows) → `on_step` (the step's token of every row
+that drew one, when a callback is given) → `PrefixDecoder.step` or `_decode_step` } →
+`_Rows.pack`. Every piece of per-call state (cache, mask, rows) lives in locals of the call, so
+concurrent `generate` calls on one engine are safe.
 
 Randomness is counter-based (`floe.sampler.noise`): row `k` of prompt `i` has the row seed
 derive(seeds[i], k); decode step t of that row draws with the key derive(row seed, t), by
-inverse transform sampling (`noise.sample_categorical`). A token therefore depends only on (prompt seed, sample index, step) and the
+inverse transform sampling (`noise.sample_from_weights`, the draw `noise.sample_categorical`
+defines). A token therefore depends only on (prompt seed, sample index, step) and the
 logits, never on which prompts share a chunk, a call or a replica.
 
 Sleep / wake (colocation): `sleep()` moves the weights to host memory (pinned) and empties the
