@@ -11,7 +11,7 @@ import torch
 import floe
 from floe.backend.policy import lr_at
 from floe.config import OptimizerConfig
-from tests.conftest import backend_of
+from tests.conftest import assert_same_state, backend_of, state_snapshot
 
 STRINGS = ["the cat sat", "floe trains", "tokens not text", "groups first"]
 
@@ -76,6 +76,41 @@ def test_optim_step_applies_adamw_with_clipping(make_client):
     for r, p in zip(ref, params):
         assert torch.allclose(r, p, atol=1e-6, rtol=1e-5)
     assert all(p.grad is None for p in params)
+
+
+def test_optim_step_at_the_callers_lr(make_client):
+    """optim_step(lr=x) is torch AdamW at x whatever the schedule says; lr=0 advances the step
+    and the moments but not the weights; a bad lr is InvalidInput("lr") and changes nothing."""
+    client = make_client(optimizer={"lr": 0.05, "schedule": "cosine", "warmup_steps": 3, "total_steps": 9,
+                                    "grad_clip": None})
+    tok = client.tokenizer()
+    backend = backend_of(client)
+    params = backend.policy.params
+    batch = floe.Batch([floe.Group(tok.encode("a"), [floe.Sample(tok.encode("hello"))])])
+    ref = [p.detach().clone().requires_grad_(True) for p in params]
+    opt = torch.optim.AdamW(ref, lr=0.05, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    for step, lr in enumerate((0.0, 0.02, 0.07)):
+        client.forward_backward(batch, "cross_entropy")
+        for r, p in zip(ref, params):
+            r.grad = p.grad.clone()
+        before = [p.detach().clone() for p in params]
+        bad = state_snapshot(client)
+        for wrong in (-1e-3, 1.5, float("nan"), True, "0.1"):
+            with pytest.raises(floe.InvalidInput, match="lr"):
+                client.optim_step(lr=wrong)
+            assert_same_state(bad, state_snapshot(client))
+        res = client.optim_step(lr=lr)
+        assert (res.step, res.lr) == (step + 1, lr)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.step()
+        for r, p in zip(ref, params):
+            assert torch.allclose(r, p, atol=1e-6, rtol=1e-5)
+        if lr == 0.0:
+            assert all(torch.equal(b, p) for b, p in zip(before, params))
+    assert backend.policy.optimizer.state_dict()["state"][0]["step"] == 3
+    client.forward_backward(batch, "cross_entropy")
+    assert client.optim_step().lr == lr_at(3, OptimizerConfig(lr=0.05, schedule="cosine", warmup_steps=3, total_steps=9))
 
 
 def test_optim_step_without_gradients_is_an_error(make_client):

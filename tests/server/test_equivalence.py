@@ -23,9 +23,10 @@ PROMPTS = [[10, 11, 12, 13], [20, 21], [30, 31, 32]]
 
 
 def train(client: floe.Client, export: Path, steps: int = 2) -> dict:
-    """Sample, score with the reference, PPO+KL step, sync; returns what must match."""
-    out = {"tokens": [], "losses": [], "grad_norms": [], "versions": []}
-    for _ in range(steps):
+    """Sample, score with the reference, PPO+KL step, sync; returns what must match. Odd
+    steps run at a caller's learning rate (`optim_step(lr=...)`), even ones at the schedule's."""
+    out = {"tokens": [], "losses": [], "grad_norms": [], "versions": [], "lrs": []}
+    for step in range(steps):
         res = client.sample(PROMPTS, n=4, params=SamplingParams(max_tokens=6, temperature=0.9))
         batch = []
         for g in res.groups:
@@ -37,8 +38,9 @@ def train(client: floe.Client, export: Path, steps: int = 2) -> dict:
             for s, lp in zip(g.samples, lps):
                 s.ref_logprobs = lp
         fb = client.forward_backward(batch, loss="ppo", loss_config={"kl": {"coef": 0.05}}, temperature=0.9)
-        st = client.optim_step()
+        st = client.optim_step(lr=3e-4 if step % 2 else None)
         sy = client.sync_weights()
+        out["lrs"].append(st.lr)
         out["tokens"].append([s.tokens for g in res.groups for s in g.samples])
         out["losses"].append(fb.metrics["loss"])
         out["grad_norms"].append(st.grad_norm)
@@ -63,6 +65,7 @@ def test_inprocess_and_http_agree(fresh_server: ServerProcess, server_model: Pat
 
     assert got["tokens"] == want["tokens"]
     assert got["versions"] == want["versions"] == [(1, 1, 0), (2, 2, 1)]
+    assert got["lrs"] == want["lrs"] == [floe.OptimizerConfig().lr, 3e-4]
     for a, b in zip(got["losses"] + got["grad_norms"], want["losses"] + want["grad_norms"]):
         assert abs(a - b) <= 1e-6, (a, b)
     wr, wl = load_file(str(tmp_path / "remote" / "model.safetensors")), load_file(str(tmp_path / "local" / "model.safetensors"))

@@ -45,7 +45,13 @@ from floe.backend.state import (
     write_state,
 )
 from floe.backend.sync import WeightSync, verify
-from floe.backend.validation import check_temperature, resolve_temperature, validate_batch, validate_prompts
+from floe.backend.validation import (
+    check_step_lr,
+    check_temperature,
+    resolve_temperature,
+    validate_batch,
+    validate_prompts,
+)
 from floe.compute.losses import loss_capabilities, resolve_loss
 from floe.config import BackendConfig
 from floe.devices import check_device
@@ -229,10 +235,13 @@ class Backend:
         with self._op("train"), self._policy_lock:
             return self.policy.forward_backward(batch, spec, temperature)
 
-    def optim_step(self) -> OptimStepResult:
-        """Apply the accumulated gradients (StateError when there are none or they are not finite)."""
+    def optim_step(self, lr: float | None = None) -> OptimStepResult:
+        """Apply the accumulated gradients at `lr` (None: the configured schedule's rate);
+        InvalidInput("lr") for a rate outside [0, 1], StateError when no gradients are pending
+        or they are not finite. Nothing changes on either error."""
+        lr = check_step_lr(lr)
         with self._op("train"), self._policy_lock:
-            return self.policy.optim_step()
+            return self.policy.optim_step(lr)
 
     def sync_weights(self, version: int | None = None) -> SyncResult:
         """Policy weights → sampler, verified by fingerprints; the sampler's version becomes

@@ -234,18 +234,19 @@ def make_adamw(params: list[torch.Tensor], cfg: OptimizerConfig) -> torch.optim.
 
 
 def clip_and_step(
-    optimizer: torch.optim.Optimizer, grads: list[torch.Tensor], grad_norm: float, cfg: OptimizerConfig, step: int
+    optimizer: torch.optim.Optimizer, grads: list[torch.Tensor], grad_norm: float, cfg: OptimizerConfig, step: int,
+    lr: float | None = None,
 ) -> float:
     """Scale `grads` to `cfg.grad_clip` when their (finite, global) norm `grad_norm` exceeds it,
-    set the lr of optimizer step number `step` (`lr_at`), step and zero the gradients; returns
-    that lr. The clip factor is torch.nn.utils.clip_grad_norm_'s, max_norm / (norm + 1e-6),
+    set the lr (`lr`, the caller's rate for this step, or when None that of optimizer step
+    number `step` under `cfg`'s schedule, `lr_at`), step and zero the gradients; returns that lr. The clip factor is torch.nn.utils.clip_grad_norm_'s, max_norm / (norm + 1e-6),
     applied only once the norm is known finite."""
     max_norm = cfg.grad_clip
     if max_norm is not None and grad_norm > max_norm:
         scale = max_norm / (grad_norm + 1e-6)
         for g in grads:
             g.mul_(scale)
-    lr = lr_at(step, cfg)
+    lr = lr_at(step, cfg) if lr is None else lr
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()
@@ -315,7 +316,7 @@ class PolicyZone:
             p.grad = None
         self.pending_calls = 0
 
-    def optim_step(self) -> OptimStepResult:
+    def optim_step(self, lr: float | None = None) -> OptimStepResult:
         if self.pending_calls == 0:
             raise StateError(NO_PENDING)
         grads = [p.grad for p in self.trained if p.grad is not None]
@@ -324,7 +325,7 @@ class PolicyZone:
             # Nothing can be applied from a non-finite sum; keeping it would block every later step.
             self.discard_gradients()
             raise StateError(NONFINITE_STEP.format(grad_norm))
-        lr = clip_and_step(self.optimizer, grads, grad_norm, self.optimizer_config, self.step)
+        lr = clip_and_step(self.optimizer, grads, grad_norm, self.optimizer_config, self.step, lr)
         if self.masters is not None:
             self.masters.copy_back()
         applied, self.pending_calls = self.pending_calls, 0

@@ -218,8 +218,9 @@ class ShardedPolicyZone:
             norm = norm.full_tensor()
         return float(norm)
 
-    def optim_step(self) -> OptimStepResult:
-        """Collective. Clip by the global norm, AdamW on every rank's shards, step + 1."""
+    def optim_step(self, lr: float | None = None) -> OptimStepResult:
+        """Collective. Clip by the global norm, AdamW on every rank's shards at `lr` (None: the
+        schedule's), step + 1."""
         if self.pending_calls == 0:
             raise StateError(NO_PENDING)
         grad_norm = self.global_grad_norm()
@@ -227,7 +228,7 @@ class ShardedPolicyZone:
             self.discard_gradients()
             raise StateError(NONFINITE_STEP.format(grad_norm))
         grads = [p.grad for p in self.params if p.grad is not None]
-        lr = clip_and_step(self.optimizer, grads, grad_norm, self.optimizer_config, self.step)
+        lr = clip_and_step(self.optimizer, grads, grad_norm, self.optimizer_config, self.step, lr)
         applied, self.pending_calls = self.pending_calls, 0
         self.step += 1
         return OptimStepResult(step=self.step, lr=lr, grad_norm=grad_norm, accumulated_calls=applied)

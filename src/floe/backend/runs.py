@@ -56,7 +56,7 @@ from floe.backend.policy import PolicyZone
 from floe.backend.sampler import prompt_seeds
 from floe.backend.scoring import next_token_logits, score_batch
 from floe.backend.state import ZoneState, read_state, write_state
-from floe.backend.validation import validate_batch, validate_prompts
+from floe.backend.validation import MAX_LEARNING_RATE, validate_batch, validate_prompts
 from floe.compute.losses import resolve_loss
 from floe.config import BackendConfig, OptimizerConfig
 from floe.errors import InvalidInput, StateError
@@ -83,7 +83,6 @@ SAMPLER_META = "floe_lora.json"
 FULL_FINETUNE_SETTING = "[server] tinker_full_finetune"
 
 
-MAX_LEARNING_RATE = 1.0  # Adam moves every weight by about lr per step: above 1 no fine-tune survives a step
 ADAM_FIELDS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
 
 

@@ -152,6 +152,21 @@ def check_temperature(temperature: Any) -> float | None:
     return float(temperature)
 
 
+MAX_LEARNING_RATE = 1.0  # Adam moves every weight by about lr per step: above 1 no fine-tune survives a step
+
+
+def check_step_lr(lr: Any) -> float | None:
+    """The `lr` argument of optim_step: None (the configured schedule's rate), or a finite
+    number in [0, MAX_LEARNING_RATE] (0 is a valid step: the frameworks' warm-ups start there);
+    InvalidInput("lr") otherwise."""
+    if lr is None:
+        return None
+    if not _is_finite_number(lr) or not 0 <= lr <= MAX_LEARNING_RATE:
+        raise InvalidInput("lr", f"must be a finite number in [0, {MAX_LEARNING_RATE}] or None (the configured schedule), "
+                           f"got {lr!r}")
+    return float(lr)
+
+
 def resolve_temperature(batch: Batch, temperature: float | None, where: str = "batch") -> float:
     """The temperature to score a validated `batch` at (the one rule, floe.types docstring).
 

@@ -52,7 +52,10 @@ class PolicyWorker(Protocol):
 
     def forward_backward(self, batch: Batch, spec: LossSpec, temperature: float) -> ForwardBackwardResult: ...
 
-    def optim_step(self) -> OptimStepResult: ...
+    def optim_step(self, lr: float | None = None) -> OptimStepResult:
+        """Apply the pending gradients at learning rate `lr` (validated), or when None at the
+        configured schedule's rate for this step; step + 1."""
+        ...
 
     def publish(self) -> WeightsSnapshot:
         """The current weights (state-dict names) and their fingerprints, for a sync."""

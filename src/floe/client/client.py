@@ -116,14 +116,18 @@ class Client:
         """
         return self._call("forward_backward", batch=batch, loss=loss, loss_config=loss_config, temperature=temperature)
 
-    def optim_step(self) -> OptimStepResult:
+    def optim_step(self, lr: float | None = None) -> OptimStepResult:
         """Apply the accumulated gradients (AdamW, grad-norm clipping, LR schedule), then zero them.
 
-        Returns OptimStepResult(step, lr, grad_norm (before clipping), accumulated_calls).
-        Raises StateError when no forward_backward gradients are pending, and when the
-        gradient norm is not finite (nothing is applied; the gradients are discarded).
+        lr: None (default) for the rate the backend's `optimizer.schedule` gives this step, or
+            this step's learning rate in [0, 1], for callers that run their own schedule (a
+            framework's LR scheduler; 0 is a valid warm-up step: the moments and step count
+            advance, the weights stay). InvalidInput naming `lr` otherwise; nothing changes.
+        Returns OptimStepResult(step, lr (the rate used), grad_norm (before clipping),
+        accumulated_calls). Raises StateError when no forward_backward gradients are pending,
+        and when the gradient norm is not finite (nothing is applied; the gradients are discarded).
         """
-        return self._call("optim_step")
+        return self._call("optim_step", lr=lr)
 
     def sync_weights(self, version: int | None = None) -> SyncResult:
         """Copy the policy's weights to the sampler, verify them, set the sampler's version.

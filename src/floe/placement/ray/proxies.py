@@ -87,8 +87,8 @@ class RayPolicy:
         self._pending += 1
         return merge_forward_backward(batch, shares, partials, spec)
 
-    def optim_step(self) -> OptimStepResult:
-        result = self._refreshing(lambda: self._all("optim_step")[0])
+    def optim_step(self, lr: float | None = None) -> OptimStepResult:
+        result = self._refreshing(lambda: self._all("optim_step", lr)[0])
         self._step, self._pending = result.step, 0
         return result
 
