@@ -128,10 +128,16 @@ def test_floe_block_with_a_url():
         ({"actor_rollout_ref": {"model": {}}}, "actor_rollout_ref.model.path"),
         ({"actor_rollout_ref": {"model": {"path": "m"}, "actor": {"optim": {"optimizer": "SGD"}}}},
          "actor_rollout_ref.actor.optim.optimizer"),
-        ({"actor_rollout_ref": {"model": {"path": "m"}, "actor": {"optim": {"lr_warmup_steps": 10}}}},
-         "actor_rollout_ref.actor.optim.lr_warmup_steps"),
-        ({"actor_rollout_ref": {"model": {"path": "m"}, "actor": {"optim": {"lr_scheduler_type": "cosine"}}}},
+        ({"actor_rollout_ref": {"model": {"path": "m"}, "actor": {"optim": {"lr_scheduler_type": "linear"}}}},
          "actor_rollout_ref.actor.optim.lr_scheduler_type"),
+        ({"actor_rollout_ref": {"model": {"path": "m"}, "actor": {"optim": {"warmup_style": "wsd"}}}},
+         "actor_rollout_ref.actor.optim.warmup_style"),
+        ({"actor_rollout_ref": {"model": {"path": "m"}, "actor": {"optim": {"min_lr_ratio": 1.5}}}},
+         "actor_rollout_ref.actor.optim.min_lr_ratio"),
+        ({"actor_rollout_ref": {"model": {"path": "m"}, "actor": {"optim": {"lr_warmup_steps_ratio": -0.1}}}},
+         "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio"),
+        ({"actor_rollout_ref": {"model": {"path": "m"}, "actor": {"optim": {"num_cycles": True}}}},
+         "actor_rollout_ref.actor.optim.num_cycles"),
     ],
 )
 def test_bad_floe_blocks_and_unmappable_optimizers_are_refused(cfg, field):
@@ -166,3 +172,12 @@ def test_server_config_is_valid_toml():
     assert tomllib.loads(to_toml(table)) == {"backend": {"model": 'a "quoted" path', "num_threads": 1,
                                                          "optimizer": {"betas": [0.9, 0.99], "lr": 1e-3},
                                                          "reference": {"enabled": True}}}
+
+
+def test_warm_up_and_cosine_keys_are_accepted_and_leave_the_schedule_to_verls_scheduler():
+    optim = {**VERL_ACTOR_DEFAULTS["optim"], "lr_scheduler_type": "cosine", "lr_warmup_steps": 10, "min_lr_ratio": 0.1,
+             "num_cycles": 0.5, "zero_indexed_step": False}
+    target = floe_target({"actor_rollout_ref": {"model": {"path": "m"}, "actor": {"optim": optim}}})
+    # the plugin passes verl's rate with every optim_step (schedule.py); floe's own schedule stays flat
+    assert target.backend["optimizer"]["schedule"] == "constant"
+    floe.OptimizerConfig(**target.backend["optimizer"])

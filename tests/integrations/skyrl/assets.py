@@ -1,7 +1,8 @@
 """Inputs for the SkyRL plugin's end-to-end runs: a tiny model and GSM8K-style parquet files.
 
 `make_parquet` writes rows in SkyRL's dataset format (chat `prompt`, `env_class`,
-`reward_spec.ground_truth`, `data_source`, `extra_info`) for generated two-number sums.
+`reward_spec.ground_truth`, `data_source`, `extra_info`) for generated two-number sums;
+`skyrl_rates` is the learning rate of each optimizer step as SkyRL's own scheduler gives it.
 """
 
 from __future__ import annotations
@@ -27,3 +28,19 @@ def make_parquet(path: Path, rows: int, seed: int, env_class: str = "gsm8k_shape
         })
     pd.DataFrame(records).to_parquet(path)
     return path
+
+
+def skyrl_rates(scheduler: str, lr: float, warmup: int, total: int) -> list[float]:
+    """The rate of each optimizer step under SkyRL's FSDP strategy: its get_scheduler call, stepped
+    after every optimizer step."""
+    import torch  # noqa: PLC0415 - keeps collection light
+    from transformers.trainer import get_scheduler  # noqa: PLC0415 - the import SkyRL's strategy uses
+
+    opt = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=lr)
+    sched = get_scheduler(scheduler, opt, num_warmup_steps=warmup, num_training_steps=total)
+    rates = []
+    for _ in range(total):
+        rates.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return rates

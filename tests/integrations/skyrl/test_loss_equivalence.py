@@ -110,7 +110,7 @@ def test_skyrl_loss_and_gradients_match_floe(model_path: Path, loss_type: str, r
     data.metadata = {"response_length": width}
     client = floe.connect(floe.BackendConfig(model=str(model_path), state_dir=str(model_path.parent / "states")))
     try:
-        dispatch = FloeDispatch(cfg, client, map_loss(asdict(algo)), Counter(), None, None)  # type: ignore[arg-type]
+        dispatch = FloeDispatch(cfg, client, map_loss(asdict(algo)), Counter(), None, None, None)  # type: ignore[arg-type]
         out = dispatch.forward_backward("policy", data)
         assert out.metrics["final_loss"] == pytest.approx(float(total.detach()), rel=1e-5, abs=1e-6)  # fp32 noise ~1e-7
         policy = backend_of(client).policy.model

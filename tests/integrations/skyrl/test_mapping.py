@@ -19,7 +19,14 @@ import torch
 import floe
 from floe.compute.losses import TokenInputs, compute_loss, resolve_loss
 from floe.errors import InvalidInput
-from floe.integrations.skyrl.mapping import floe_advantages, map_loss, map_optimizer, map_sampling, token_weights
+from floe.integrations.skyrl.mapping import (
+    floe_advantages,
+    lr_scheduler,
+    map_loss,
+    map_optimizer,
+    map_sampling,
+    token_weights,
+)
 
 ALGO = {"policy_loss_type": "regular", "eps_clip_low": 0.2, "eps_clip_high": 0.28, "use_kl_loss": True,
         "kl_loss_coef": 0.001, "kl_estimator_type": "k3", "temperature": 1.0, "advantage_estimator": "grpo",
@@ -94,13 +101,41 @@ def test_optimizer_mapping() -> None:
     out = map_optimizer(skyrl_default)
     assert out == {"lr": 1e-6, "betas": (0.9, 0.999), "weight_decay": 0.01, "grad_clip": 1.0, "schedule": "constant"}
     floe.OptimizerConfig(**out)
-    cosine = map_optimizer({**skyrl_default, "scheduler": "cosine"}, total_steps=12)
-    assert floe.OptimizerConfig(**cosine).total_steps == 12 and cosine["min_lr_ratio"] == 0.0
-    for bad, field in (({"num_warmup_steps": 5}, "num_warmup_steps"), ({"scheduler": "polynomial"}, "scheduler"),
-                       ({"scheduler": "cosine"}, "scheduler"), ({"momentum": 0.9}, "momentum")):
+    # the schedule is SkyRL's own scheduler in the plugin (lr_scheduler); floe's stays constant
+    assert map_optimizer({**skyrl_default, "scheduler": "cosine", "num_warmup_steps": 5}, total_steps=12) == out
+    for bad, field, total in (({"num_warmup_steps": -1}, "num_warmup_steps", 12), ({"scheduler": "wavy"}, "scheduler", 12),
+                              ({"scheduler": "reduce_lr_on_plateau"}, "scheduler", 12),
+                              ({"scheduler": "warmup_stable_decay"}, "scheduler", 12),
+                              ({"scheduler": "cosine"}, "scheduler", None), ({"momentum": 0.9}, "momentum", 12)):
         with pytest.raises(InvalidInput) as err:
-            map_optimizer({**skyrl_default, **bad})
+            map_optimizer({**skyrl_default, **bad}, total_steps=total) if total else lr_scheduler({**skyrl_default, **bad}, None)
         assert err.value.field == f"trainer.policy.optimizer_config.{field}"
+
+
+@pytest.mark.parametrize("name", ["constant_with_warmup", "linear", "cosine", "constant"])
+def test_lr_scheduler_is_transformers_schedule_stepped_per_optimizer_step(name: str) -> None:
+    """The rate of each optimizer step, stepped as SkyRL's FSDP strategy steps it (optimizer
+    step, then scheduler step), against transformers' formulas transcribed from
+    transformers.optimization (warm-up k/W from 0; `constant` ignores the warm-up, as it does
+    under SkyRL)."""
+    lr, warm, total = 2e-3, 3, 10
+    scheduler = lr_scheduler({"lr": lr, "num_warmup_steps": warm, "scheduler": name}, total)
+    got = []
+    for _ in range(total):
+        got.append(scheduler.get_last_lr()[0])
+        scheduler.optimizer.step()
+        scheduler.step()
+
+    def want(k: int) -> float:
+        if name == "constant":
+            return lr
+        if k < warm:
+            return lr * k / warm
+        progress = (k - warm) / (total - warm)
+        return {"constant_with_warmup": lr, "linear": lr * max(0.0, (total - k) / (total - warm)),
+                "cosine": lr * max(0.0, 0.5 * (1 + math.cos(math.pi * progress)))}[name]
+
+    assert got == pytest.approx([want(k) for k in range(total)], rel=1e-12, abs=1e-15)
 
 
 def test_sampling_mapping() -> None:

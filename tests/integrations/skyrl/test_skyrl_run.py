@@ -7,7 +7,9 @@ runs SkyRL 0.4.0's own dataset, SkyRLGymGenerator, skyrl-gym environment, GRPO a
 loss reduction and RayPPOTrainer loop on a tiny model. Asserted: exit 0; floe's call counts;
 SkyRL's own sampler-vs-trainer log-prob gap `policy/rollout_train_logprobs_abs_diff_mean`
 below 1e-4 at every step; a reward that depends on the model's output (non-zero, varying, so
-advantages and gradients are non-zero); eval metrics before training and at step 2.
+advantages and gradients are non-zero); eval metrics before training and at step 2. The
+`floe serve` run also keeps a warm-up + cosine LR schedule: the rate floe applied at each
+step's last optimizer step is the one SkyRL's own scheduler gives it.
 Runs only in the SkyRL environment (scripts/ci/skyrl.sh, marker `skyrl`).
 """
 
@@ -22,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from floe.models import make_tiny
-from tests.integrations.skyrl.assets import make_parquet
+from tests.integrations.skyrl.assets import make_parquet, skyrl_rates
 from tests.server.conftest import ServerProcess, free_port, write_config
 
 pytestmark = pytest.mark.skyrl
@@ -74,7 +76,8 @@ def run_skyrl(assets: dict[str, Path], out: Path, *extra: str) -> subprocess.Com
     return proc
 
 
-def check_run(proc: subprocess.CompletedProcess[str], out: Path) -> dict[str, int]:
+def check_run(proc: subprocess.CompletedProcess[str], out: Path, lrs: list[float] | None = None) -> dict[str, int]:
+    """`lrs`: when given, the rate of every optimizer step; each training step logs its last one."""
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     calls = json.loads((out / "export" / "floe_calls.json").read_text())
     mini_batches = STEPS * TRAIN_BATCH // MINI_BATCH
@@ -92,6 +95,9 @@ def check_run(proc: subprocess.CompletedProcess[str], out: Path) -> dict[str, in
         assert r["reward/avg_raw_reward"] > 0, r  # the shaped reward reads the model's text
         assert r["policy/grad_norm"] > 0, r  # non-zero advantages reached the loss
         assert r["policy/final_loss"] != 0, r
+    if lrs is not None:
+        per_step = TRAIN_BATCH // MINI_BATCH
+        assert [r["policy/policy_lr"] for r in train] == pytest.approx(lrs[per_step - 1 :: per_step], rel=1e-12, abs=0.0)
     assert any(r["step"] == 0 and any(k.startswith("eval/") for k in r) for r in records)  # eval before training
     assert any(r["step"] == 2 and any(k.startswith("eval/") for k in r) for r in records)  # eval_interval=2
     return calls
@@ -109,8 +115,9 @@ def test_skyrl_main_base_against_floe_serve(assets: dict[str, Path], tmp_path: P
     config = write_config(tmp_path / "server.toml", assets["model"], tmp_path / "states")
     server = ServerProcess(config, port, tmp_path / "server.log", token=token).wait_ready()
     try:
-        proc = run_skyrl(assets, tmp_path, f"floe.url={server.url}", f"floe.token={token}")
-        check_run(proc, tmp_path)
+        schedule = ["trainer.policy.optimizer_config.scheduler=cosine", "trainer.policy.optimizer_config.num_warmup_steps=3"]
+        proc = run_skyrl(assets, tmp_path, f"floe.url={server.url}", f"floe.token={token}", *schedule)
+        check_run(proc, tmp_path, lrs=skyrl_rates("cosine", lr=1e-3, warmup=3, total=STEPS * TRAIN_BATCH // MINI_BATCH))
         assert server.alive()
         info = server.client().info()
         assert info.step == STEPS * TRAIN_BATCH // MINI_BATCH  # the server's policy took every optimizer step

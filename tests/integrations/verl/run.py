@@ -11,6 +11,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 HERE = Path(__file__).parent
 FLOE_SWITCH = ["trainer.v1.trainer_mode=floe", "actor_rollout_ref.rollout.name=floe"]
@@ -74,3 +75,23 @@ def run_main_ppo(args: list[str], log_path: Path, timeout_s: int = 900) -> Run:
         proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, check=False)
     log = log_path.read_text(errors="replace")
     return Run(proc.returncode, time.monotonic() - start, log, parse_steps(log))
+
+
+def verl_engine_rates(optim: dict, total: int) -> list[float]:
+    """The rate of each of `total` training steps under verl's FSDP engine: the scheduler its
+    `_build_lr_scheduler` makes from FSDPOptimizerConfig(**optim, total_training_steps=total) on
+    a real AdamW, read before the step's updates and advanced after them (engine_workers)."""
+    import torch  # noqa: PLC0415 - verl's environment only
+    from verl.workers.config import FSDPOptimizerConfig  # noqa: PLC0415
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine  # noqa: PLC0415
+
+    config = FSDPOptimizerConfig(total_training_steps=total, **optim)
+    opt = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=config.lr)
+    # _build_lr_scheduler reads only these two attributes of the engine
+    scheduler = FSDPEngine._build_lr_scheduler(SimpleNamespace(optimizer_config=config, rank=1), opt)
+    rates = []
+    for _ in range(total):
+        rates.append(opt.param_groups[0]["lr"])
+        opt.step()
+        scheduler.step()
+    return rates

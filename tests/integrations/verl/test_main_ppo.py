@@ -1,8 +1,10 @@
 """verl's real entrypoint on floe: `python -m verl.trainer.main_ppo` with a stock GRPO recipe
 (3 steps, validation before training and every 2 steps, a tiny model, generated GSM8K-style
 parquet) plus `trainer.v1.trainer_mode=floe actor_rollout_ref.rollout.name=floe` — once on the
-plugin's own backend, once against a `floe serve` process on loopback. Runs in verl's
-environment (scripts/ci/verl.sh); each run is under an outer timeout."""
+plugin's own backend, once against a `floe serve` process on loopback. The first run also sets
+a warm-up + cosine LR schedule: each step's updates run at the rate verl's own scheduler gives
+that step, and `actor/lr` is the rate after it, as verl logs it. Runs in verl's environment
+(scripts/ci/verl.sh); each run is under an outer timeout."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import httpx
 import pytest
 
 from tests.integrations.verl.assets import make_data, make_model
-from tests.integrations.verl.run import Run, grpo_recipe, run_main_ppo
+from tests.integrations.verl.run import Run, grpo_recipe, run_main_ppo, verl_engine_rates
 
 pytestmark = [pytest.mark.verl, pytest.mark.timeout(1200)]
 
@@ -61,16 +63,25 @@ def check_run(run: Run) -> dict[str, float]:
     return last
 
 
+SCHEDULE = {"lr_scheduler_type": "cosine", "lr_warmup_steps": 2, "min_lr_ratio": 0.1}
+
+
 def test_main_ppo_on_the_plugins_own_backend(assets):
     out = assets["root"] / "own"
-    run = run_main_ppo(grpo_recipe(assets["model"], assets["train"], assets["test"], out, save_freq=STEPS),
+    schedule = [f"actor_rollout_ref.actor.optim.{k}={v}" for k, v in SCHEDULE.items()]
+    run = run_main_ppo(grpo_recipe(assets["model"], assets["train"], assets["test"], out, save_freq=STEPS) + schedule,
                        assets["root"] / "own.log")
     print(f"verl main_ppo on floe (own backend): {run.seconds:.0f} s")
     check_run(run)
+    rates = verl_engine_rates({"lr": 1e-3, **SCHEDULE}, total=STEPS)  # verl's V1 sets total = steps x sync step (1)
+    assert [run.steps[s]["floe/applied_lr"] for s in range(1, STEPS + 1)] == pytest.approx(rates[:STEPS], rel=1e-9)
+    assert [run.steps[s]["actor/lr"] for s in range(1, STEPS + 1)] == pytest.approx(rates[1:], rel=1e-9)
+    assert rates[0] == 0.0 and rates[2] == pytest.approx(1e-3)  # the warm-up starts at 0 and reaches lr
     assert re.search(r"floe backend at http://127\.0\.0\.1:\d+ \(started by the plugin\)", run.log)
     # verl's checkpoint at the last step names the floe state the plugin saved for it.
     marker = json.loads((out / "checkpoints" / f"global_step_{STEPS}" / "actor" / "floe_state.json").read_text())
     assert marker["state"] == f"verl_step_{STEPS}" and marker["step"] == MINI_BATCHES * STEPS
+    assert marker["lr_scheduler_steps"] == STEPS
     assert (out / "checkpoints" / "floe_state" / marker["state"]).is_dir()
 
 

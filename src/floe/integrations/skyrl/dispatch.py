@@ -3,7 +3,9 @@
 `FloeDispatch` is a duck-typed SkyRL 0.4.0 ``WorkerDispatch`` (the object ``RayPPOTrainer``
 drives): its forward passes become ``client.forward`` (policy or reference zone), each PPO
 mini-batch one ``client.forward_backward`` (loss from mapping.py, weights/advantages chosen
-so floe computes exactly SkyRL's reduction) and ``client.optim_step``, and
+so floe computes exactly SkyRL's reduction) and ``client.optim_step(lr=...)`` at the rate of
+SkyRL's own LR scheduler (mapping.lr_scheduler, stepped after every optimizer step as SkyRL's
+FSDP strategy steps it, and set back to floe's restored step on resume), and
 ``save_weights_for_sampler`` a ``client.sync_weights(version=<trainer step>)``, so every sample
 echoes the step whose weights produced it. Batches move through floe.convert (SkyRL section):
 rows with the same prompt become one group, so floe runs each prompt once.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +34,7 @@ from floe.atomic import atomic_write_text
 from floe.convert import skyrl_to_batch, skyrl_token_values
 from floe.errors import InvalidInput
 from floe.integrations.skyrl.inference import FloeInferenceClient
-from floe.integrations.skyrl.mapping import SkyRLLoss, floe_advantages, token_weights
+from floe.integrations.skyrl.mapping import SkyRLLoss, floe_advantages, lr_scheduler, token_weights
 
 ZONES = {"policy": "policy", "ref": "reference"}
 STATE_FILE = "floe_state.txt"  # in SkyRL's checkpoint folder: the floe state saved for it
@@ -48,8 +51,10 @@ class FloeDispatch:
     """The parts of SkyRL's ``WorkerDispatch`` that ``RayPPOTrainer`` calls, on a floe client."""
 
     def __init__(self, cfg: Any, client: floe.Client, loss: SkyRLLoss, calls: Counter[str],
-                 inference_client: FloeInferenceClient, trainer: RayPPOTrainer):
+                 inference_client: FloeInferenceClient, trainer: RayPPOTrainer, total_optimizer_steps: int | None):
         self.cfg = cfg
+        self.total_optimizer_steps = total_optimizer_steps
+        self.scheduler = self._scheduler_at(0)
         self.client = client
         self.loss = loss
         self.calls = calls
@@ -139,10 +144,20 @@ class FloeDispatch:
         if model != "policy":
             raise InvalidInput("model", f"floe trains the policy only, not {model!r}")
         self.calls["optim_step"] += 1
-        res = self.client.optim_step()
+        res = self.client.optim_step(lr=self.scheduler.get_last_lr()[0])
+        self.scheduler.optimizer.step()  # the stand-in has no gradients: keeps torch's step-order check quiet
+        self.scheduler.step()
         self.dirty = True
         self.trainer.all_metrics["policy/policy_lr"] = res.lr
         return res.grad_norm
+
+    def _scheduler_at(self, step: int) -> Any:
+        """SkyRL's LR scheduler after `step` optimizer steps (where its own checkpoint would resume it)."""
+        scheduler = lr_scheduler(asdict(self.cfg.trainer.policy.optimizer_config), self.total_optimizer_steps)
+        for _ in range(step):
+            scheduler.optimizer.step()
+            scheduler.step()
+        return scheduler
 
     # -- weights for the sampler -------------------------------------------------------------------
     def init_weight_sync_state(self, inference_engine_client: Any) -> None:
@@ -186,6 +201,7 @@ class FloeDispatch:
         name = (Path(ckpt_dir) / STATE_FILE).read_text().strip()
         self.calls["load_state"] += 1
         res = self.client.load_state(name)
+        self.scheduler = self._scheduler_at(res.step)
         self.inference_client.weight_version = res.version
         self.dirty = True
 
@@ -239,7 +255,11 @@ class FloeRayPPOTrainer(RayPPOTrainer):
         self.critic_model = None
         self.ref_model = "floe:reference" if (algorithm.use_kl_loss or algorithm.use_kl_in_reward) else None  # type: ignore[assignment]
         assert isinstance(self.inference_engine_client, FloeInferenceClient)
-        self.dispatch = FloeDispatch(self.cfg, client, loss, calls, self.inference_engine_client, self)  # type: ignore[assignment]
+        # SkyRL's own count (RayPPOTrainer.build_models): the scheduler spans every optimizer step.
+        t = self.cfg.trainer
+        per_batch = t.train_batch_size // t.policy_mini_batch_size * t.update_epochs_per_batch
+        total = self.total_training_steps * per_batch if self.total_training_steps is not None else None
+        self.dispatch = FloeDispatch(self.cfg, client, loss, calls, self.inference_engine_client, self, total)  # type: ignore[assignment]
         self.dispatch.run_name = self.cfg.trainer.run_name or "skyrl"
 
     def fwd_logprobs_values_reward(self, training_input: TrainingInputBatch) -> TrainingInputBatch:

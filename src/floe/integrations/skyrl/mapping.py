@@ -173,21 +173,30 @@ def _clip_low(value: Any, name: str) -> float:
     return v
 
 
+OPTIMIZER_KEY = "trainer.policy.optimizer_config."
+# transformers schedulers that fail under SkyRL itself: two step() on a metric SkyRL never passes,
+# three need `scheduler_specific_kwargs` SkyRL's FSDP strategy never passes.
+_NO_METRIC = "its step() needs a metric, which SkyRL's trainer never passes"
+_NO_KWARGS = "it needs scheduler-specific arguments, which SkyRL's FSDP strategy never passes"
+UNSTEPPABLE = {"reduce_lr_on_plateau": _NO_METRIC, "greedy": _NO_METRIC, "cosine_with_min_lr": _NO_KWARGS,
+               "cosine_warmup_with_min_lr": _NO_KWARGS, "warmup_stable_decay": _NO_KWARGS}
+
+
 def map_optimizer(optimizer: Mapping[str, Any], total_steps: int | None = None) -> dict[str, Any]:
     """SkyRL's ``trainer.policy.optimizer_config`` (as a dict) -> floe ``OptimizerConfig`` fields.
 
-    `total_steps`: optimizer steps of the whole run (the cosine schedule needs it). SkyRL's
-    warm-up follows transformers (lr·step/warmup, 0 at the first step) where floe's starts at
-    lr/warmup, so a warm-up is refused rather than approximated. Raises InvalidInput naming the key.
+    The LR schedule is not among them: SkyRL's own scheduler (`lr_scheduler`) runs in the
+    plugin and each `optim_step` carries its rate, so floe's `schedule` stays "constant".
+    `total_steps`: optimizer steps of the whole run when known, for checking the scheduler
+    early (`lr_scheduler`). Raises InvalidInput naming the key.
     """
-    key = "trainer.policy.optimizer_config."
+    key = OPTIMIZER_KEY
     known = {"lr", "adam_betas", "weight_decay", "max_grad_norm", "offload_after_step", "num_warmup_steps", "scheduler"}
     for name in optimizer:
         if name not in known:
             raise InvalidInput(key + name, f"not a SkyRL {SKYRL_VERSION} optimizer key known to floe's mapping")
-    if int(optimizer.get("num_warmup_steps", 0)) != 0:
-        raise InvalidInput(key + "num_warmup_steps", "floe's warm-up schedule differs from transformers'; only 0 is supported")
-    scheduler = optimizer.get("scheduler", "constant_with_warmup")
+    if total_steps is not None:
+        lr_scheduler(optimizer, total_steps)
     out: dict[str, Any] = {
         "lr": float(optimizer.get("lr", 1e-6)),
         "betas": tuple(float(b) for b in optimizer.get("adam_betas", (0.9, 0.999))),
@@ -195,15 +204,39 @@ def map_optimizer(optimizer: Mapping[str, Any], total_steps: int | None = None) 
     }
     clip = optimizer.get("max_grad_norm", 1.0)
     out["grad_clip"] = float(clip) if clip is not None and float(clip) > 0 else None
-    if scheduler in ("constant", "constant_with_warmup"):
-        out["schedule"] = "constant"
-    elif scheduler == "cosine":
-        if total_steps is None:
-            raise InvalidInput(key + "scheduler", "'cosine' needs the run's total steps (trainer.max_training_steps or epochs)")
-        out.update(schedule="cosine", total_steps=int(total_steps), min_lr_ratio=0.0)
-    else:
-        raise InvalidInput(key + "scheduler", f"{scheduler!r} is not supported by floe (constant, constant_with_warmup, cosine)")
+    out["schedule"] = "constant"
     return out
+
+
+def lr_scheduler(optimizer: Mapping[str, Any], total_steps: int | None) -> torch.optim.lr_scheduler.LRScheduler:
+    """SkyRL's LR scheduler, built as its FSDP strategy builds it (``transformers.get_scheduler(
+    scheduler, AdamW(lr), num_warmup_steps, num_training_steps)``), over a one-element stand-in
+    parameter: only its learning rate is used. SkyRL steps it after every optimizer step, so
+    optimizer step k runs at ``get_last_lr()[0]`` after k steps of it.
+
+    `total_steps`: the run's optimizer steps (SkyRL's ``policy_num_training_steps``: training
+    steps × mini-batches per step × update epochs), or None when unknown. InvalidInput naming
+    ``…optimizer_config.scheduler`` for a name transformers does not know, a scheduler SkyRL
+    cannot step (`UNSTEPPABLE`) or one that needs the total when it is None; naming
+    ``…num_warmup_steps`` for a negative warm-up."""
+    from transformers.optimization import get_scheduler
+    from transformers.trainer_utils import SchedulerType
+
+    name = str(optimizer.get("scheduler", "constant_with_warmup"))
+    known = [t.value for t in SchedulerType]
+    if name not in known:
+        raise InvalidInput(OPTIMIZER_KEY + "scheduler", f"{name!r} is not a transformers scheduler ({', '.join(known)})")
+    if name in UNSTEPPABLE:
+        raise InvalidInput(OPTIMIZER_KEY + "scheduler", f"{name!r} cannot run under SkyRL: {UNSTEPPABLE[name]}")
+    warmup = optimizer.get("num_warmup_steps", 0)
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise InvalidInput(OPTIMIZER_KEY + "num_warmup_steps", f"must be an int >= 0, got {warmup!r}")
+    stand_in = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=float(optimizer.get("lr", 1e-6)))
+    try:
+        return get_scheduler(name, stand_in, num_warmup_steps=warmup, num_training_steps=total_steps)
+    except ValueError as e:  # transformers' "requires `num_training_steps`, please provide that argument."
+        raise InvalidInput(OPTIMIZER_KEY + "scheduler", f"{name!r}: {e} (set trainer.max_training_steps, or epochs "
+                           "with a sized dataset)") from None
 
 
 # vLLM-style sampling keys SkyRL sends (skyrl...engine_utils.get_vllm_sampling_params).

@@ -16,7 +16,7 @@ started with).
 |---------------------------------------------|-----------------------------------------------|
 | optimizer = AdamW (others refused)          | AdamW                                         |
 | lr, betas, weight_decay, clip_grad          | lr, betas, weight_decay, grad_clip            |
-| lr_scheduler_type = constant, no warmup     | schedule "constant" (warmup / cosine refused: verl steps its schedule once per training step, floe once per optim_step) |
+| lr_scheduler_type (constant, cosine), lr_warmup_steps(_ratio), min_lr_ratio, num_cycles, zero_indexed_step | verl's own scheduler in the plugin (schedule.py), stepped once per training step; each optim_step carries its rate |
 
 Unknown keys in the block, and verl settings floe cannot honour, raise InvalidInput naming
 the key.
@@ -63,17 +63,28 @@ def _optimizer(optim: Mapping[str, Any]) -> dict[str, Any]:
         if len(betas) != 2:
             raise InvalidInput(f"{OPTIM}.betas", f"must be two numbers, got {betas!r}")
         out["betas"] = (float(betas[0]), float(betas[1]))
-    schedule = optim.get("lr_scheduler_type", optim.get("warmup_style") or "constant")
-    if schedule != "constant":
-        raise InvalidInput(f"{OPTIM}.lr_scheduler_type", f"floe's verl plugin maps 'constant' only, got {schedule!r}")
-    warmup_steps = optim.get("lr_warmup_steps", -1)
-    warmup_ratio = optim.get("lr_warmup_steps_ratio", 0.0)
-    if (warmup_steps is not None and warmup_steps > 0) or (warmup_ratio or 0.0) > 0:
-        key = "lr_warmup_steps" if warmup_steps is not None and warmup_steps > 0 else "lr_warmup_steps_ratio"
-        raise InvalidInput(f"{OPTIM}.{key}", "LR warmup is not mapped (verl warms up per training step, floe per "
-                           "optim_step); set it to 0 / -1")
+    scheduler_type(optim)
+    for key, lo in (("lr_warmup_steps", None), ("lr_warmup_steps_ratio", 0.0), ("min_lr_ratio", 0.0), ("num_cycles", 0.0)):
+        value = optim.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
+                lo is not None and value < lo) or (key.endswith("ratio") and value > 1):
+            raise InvalidInput(f"{OPTIM}.{key}", f"must be a finite number{' in [0, 1]' if key.endswith('ratio') else ''}"
+                               f"{' >= 0' if key == 'num_cycles' else ''}, got {value!r}")
+    # verl's schedule runs in the plugin (schedule.VerlSchedule) and sets each optim_step's rate.
     out["schedule"] = "constant"
     return out
+
+
+def scheduler_type(optim: Mapping[str, Any]) -> str:
+    """verl's `lr_scheduler_type` (or the deprecated `warmup_style`, which verl copies over it):
+    "constant" or "cosine", the two verl's FSDP engine builds; InvalidInput naming the key."""
+    key = "warmup_style" if optim.get("warmup_style") is not None else "lr_scheduler_type"
+    kind = optim.get(key, "constant")
+    if kind not in ("constant", "cosine"):
+        raise InvalidInput(f"{OPTIM}.{key}", f"verl's FSDP engine schedules 'constant' or 'cosine', got {kind!r}")
+    return str(kind)
 
 
 def floe_target(config: Mapping[str, Any]) -> FloeTarget:

@@ -14,7 +14,8 @@ VERL_USE_EXTERNAL_MODULES=floe.integrations.verl.plugin). It registers:
 
 The backend is chosen by the recipe's `floe` block (backend_config.py): by default a
 `floe serve` the plugin starts on loopback from `actor_rollout_ref.model.path`, or a given
-URL + token. The loss comes from verl's actor config (loss_mapping.py). Everything crosses to
+URL + token. The loss comes from verl's actor config (loss_mapping.py), the learning rate of
+each step from verl's own LR scheduler (schedule.py). Everything crosses to
 floe through the public client API and floe.convert.
 
 Pinned to verl==0.9.1: `FloeTrainer._setup` replaces a private method of verl's trainer and
@@ -49,6 +50,7 @@ from floe.integrations.verl.backend_config import floe_target
 from floe.integrations.verl.local_server import LocalServer
 from floe.integrations.verl.loss_mapping import VerlLoss, verl_loss
 from floe.integrations.verl.rollout_mapping import floe_sampling_params
+from floe.integrations.verl.schedule import VerlSchedule
 
 log = logging.getLogger("floe.integrations.verl")
 
@@ -80,9 +82,11 @@ class FloeWorkerGroup:
     groups by uid (floe.convert), calls floe, and writes results back in verl's layout.
     """
 
-    def __init__(self, client: floe.Client, loss: VerlLoss, url: str, token: str | None, timeout_s: float):
+    def __init__(self, client: floe.Client, loss: VerlLoss, schedule: VerlSchedule, url: str, token: str | None,
+                 timeout_s: float):
         self.client = client
         self.loss = loss
+        self.schedule = schedule
         self.url, self.token, self.timeout_s = url, token, timeout_s
         self._dispatch_info = {"actor": [0]}
         self.world_size = 1
@@ -127,7 +131,9 @@ class FloeWorkerGroup:
 
     def update_actor(self, batch: Any) -> dict[str, Any]:
         """verl's PPO update: its mini-batches (same size, epochs, seed and shuffle as verl's
-        own iterator), each one floe forward_backward + optim_step."""
+        own iterator), each one floe forward_backward + optim_step at verl's scheduled rate for
+        this step; then verl's scheduler advances once (schedule.py), and `lr` reports the new
+        rate as verl's engine does (`floe/applied_lr`: the rate the steps ran at)."""
         info = batch.extra_info
         extra = ["response_mask", "old_log_probs", "advantages"]
         if self.loss.needs_ref_logprobs:
@@ -153,16 +159,18 @@ class FloeWorkerGroup:
                 ref_log_probs=[per_token["ref_log_prob"][i] for i in rows] if self.loss.needs_ref_logprobs else None,
             )
             fb = self.client.forward_backward(layout.batch, self.loss.loss, self.loss.loss_config, temperature=temperature)
-            step = self.client.optim_step()
+            step = self.client.optim_step(lr=self.schedule.lr)
             self.calls["forward_backward"] += 1
             self.calls["optim_step"] += 1
             metrics["pg_loss"].append(fb.metrics["loss"])
             metrics["pg_clipfrac"].append(fb.metrics.get("clip_fraction", 0.0))
             metrics["grad_norm"].append(step.grad_norm)
-            metrics["lr"].append(step.lr)
+            metrics["floe/applied_lr"].append(step.lr)
             for key in ("kl_ref_k3", "kl_sampler_k1", "entropy", "ratio_mean"):
                 if key in fb.metrics:
                     metrics[f"floe/{key}"].append(fb.metrics[key])
+        if metrics["floe/applied_lr"]:
+            metrics["lr"] = [self.schedule.step()]
         metrics["mfu"] = [0.0]  # verl's trainer pops actor/mfu; floe does not estimate it
         return {"metrics": dict(metrics)}
 
@@ -174,7 +182,8 @@ class FloeWorkerGroup:
         result = self.client.save_state(name)
         Path(local_path).mkdir(parents=True, exist_ok=True)
         Path(local_path, STATE_MARKER).write_text(json.dumps({"state": result.name, "step": result.step,
-                                                              "version": result.version}))
+                                                              "version": result.version,
+                                                              "lr_scheduler_steps": self.schedule.steps}))
         if name not in self._saved_states:
             self._saved_states.append(name)
         if max_ckpt_to_keep:
@@ -182,11 +191,15 @@ class FloeWorkerGroup:
                 self.client.delete_state(self._saved_states.pop(0))
 
     def load_checkpoint(self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = False) -> None:
-        """floe load_state of the state named in `<local_path>/floe_state.json`."""
+        """floe load_state of the state named in `<local_path>/floe_state.json`, and verl's LR
+        scheduler where that checkpoint left it (as verl's engine restores its own)."""
         marker = Path(local_path, STATE_MARKER)
         if not marker.exists():
             raise InvalidInput("trainer.resume_from_path", f"{local_path} holds no {STATE_MARKER}: not a floe checkpoint")
-        self.client.load_state(json.loads(marker.read_text())["state"])
+        saved = json.loads(marker.read_text())
+        self.client.load_state(saved["state"])
+        # Markers from before the plugin ran verl's schedule had a constant one: its position is moot.
+        self.schedule = self.schedule.at(int(saved.get("lr_scheduler_steps", 0)))
 
     def start_profile(self, **kwargs: Any) -> None:
         return None
@@ -260,7 +273,8 @@ class FloeTrainer(PPOTrainerSync):
         client = _connect(url, token, target.timeout_s)
         log.warning("floe backend at %s (%s)", url, "started by the plugin" if self.floe_server else "given")
         self.ref_in_actor = False
-        self.actor_rollout_wg = FloeWorkerGroup(client, self.floe_loss, url, token, target.timeout_s)
+        schedule = VerlSchedule(cfg["actor_rollout_ref"]["actor"]["optim"])
+        self.actor_rollout_wg = FloeWorkerGroup(client, self.floe_loss, schedule, url, token, target.timeout_s)
         # verl makes world_size // (rollout tp * dp * pp) replicas: one, on the floe backend.
         rollout = cfg["actor_rollout_ref"]["rollout"]
         self.actor_rollout_wg.world_size = (rollout["tensor_model_parallel_size"] * rollout["data_parallel_size"]
