@@ -77,8 +77,8 @@ def run_main_ppo(args: list[str], log_path: Path, timeout_s: int = 900) -> Run:
     return Run(proc.returncode, time.monotonic() - start, log, parse_steps(log))
 
 
-def verl_engine_rates(optim: dict, total: int) -> list[float]:
-    """The rate of each of `total` training steps under verl's FSDP engine: the scheduler its
+def verl_engine_rates(optim: dict, total: int, steps: int | None = None) -> list[float]:
+    """The rate of each of `steps` (default `total`) training steps under verl's FSDP engine: the scheduler its
     `_build_lr_scheduler` makes from FSDPOptimizerConfig(**optim, total_training_steps=total) on
     a real AdamW, read before the step's updates and advanced after them (engine_workers)."""
     import torch  # noqa: PLC0415 - verl's environment only
@@ -90,7 +90,7 @@ def verl_engine_rates(optim: dict, total: int) -> list[float]:
     # _build_lr_scheduler reads only these two attributes of the engine
     scheduler = FSDPEngine._build_lr_scheduler(SimpleNamespace(optimizer_config=config, rank=1), opt)
     rates = []
-    for _ in range(total):
+    for _ in range(total if steps is None else steps):
         rates.append(opt.param_groups[0]["lr"])
         opt.step()
         scheduler.step()

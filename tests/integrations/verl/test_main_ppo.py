@@ -73,8 +73,9 @@ def test_main_ppo_on_the_plugins_own_backend(assets):
                        assets["root"] / "own.log")
     print(f"verl main_ppo on floe (own backend): {run.seconds:.0f} s")
     check_run(run)
-    rates = verl_engine_rates({"lr": 1e-3, **SCHEDULE}, total=STEPS)  # verl's V1 sets total = steps x sync step (1)
-    assert [run.steps[s]["floe/applied_lr"] for s in range(1, STEPS + 1)] == pytest.approx(rates[:STEPS], rel=1e-9)
+    # verl's V1 sets total = steps x sync step (1); one rate more: the one actor/lr reports after the last step
+    rates = verl_engine_rates({"lr": 1e-3, **SCHEDULE}, total=STEPS, steps=STEPS + 1)
+    assert [run.steps[s]["actor/floe/applied_lr"] for s in range(1, STEPS + 1)] == pytest.approx(rates[:STEPS], rel=1e-9)
     assert [run.steps[s]["actor/lr"] for s in range(1, STEPS + 1)] == pytest.approx(rates[1:], rel=1e-9)
     assert rates[0] == 0.0 and rates[2] == pytest.approx(1e-3)  # the warm-up starts at 0 and reaches lr
     assert re.search(r"floe backend at http://127\.0\.0\.1:\d+ \(started by the plugin\)", run.log)

@@ -133,7 +133,8 @@ class FloeWorkerGroup:
         """verl's PPO update: its mini-batches (same size, epochs, seed and shuffle as verl's
         own iterator), each one floe forward_backward + optim_step at verl's scheduled rate for
         this step; then verl's scheduler advances once (schedule.py), and `lr` reports the new
-        rate as verl's engine does (`floe/applied_lr`: the rate the steps ran at)."""
+        rate as verl's engine does (`floe/applied_lr`, logged as actor/floe/applied_lr: the rate the
+        steps ran at)."""
         info = batch.extra_info
         extra = ["response_mask", "old_log_probs", "advantages"]
         if self.loss.needs_ref_logprobs:
