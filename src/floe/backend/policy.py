@@ -239,8 +239,9 @@ def clip_and_step(
 ) -> float:
     """Scale `grads` to `cfg.grad_clip` when their (finite, global) norm `grad_norm` exceeds it,
     set the lr (`lr`, the caller's rate for this step, or when None that of optimizer step
-    number `step` under `cfg`'s schedule, `lr_at`), step and zero the gradients; returns that lr. The clip factor is torch.nn.utils.clip_grad_norm_'s, max_norm / (norm + 1e-6),
-    applied only once the norm is known finite."""
+    number `step` under `cfg`'s schedule, `lr_at`), step and zero the gradients; returns that
+    lr. The clip factor is torch.nn.utils.clip_grad_norm_'s, max_norm / (norm + 1e-6), applied
+    only once the norm is known finite."""
     max_norm = cfg.grad_clip
     if max_norm is not None and grad_norm > max_norm:
         scale = max_norm / (grad_norm + 1e-6)

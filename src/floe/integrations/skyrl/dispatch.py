@@ -35,6 +35,7 @@ from floe.convert import skyrl_to_batch, skyrl_token_values
 from floe.errors import InvalidInput
 from floe.integrations.skyrl.inference import FloeInferenceClient
 from floe.integrations.skyrl.mapping import SkyRLLoss, floe_advantages, lr_scheduler, token_weights
+from floe.integrations.stand_in import advance
 
 ZONES = {"policy": "policy", "ref": "reference"}
 STATE_FILE = "floe_state.txt"  # in SkyRL's checkpoint folder: the floe state saved for it
@@ -145,8 +146,7 @@ class FloeDispatch:
             raise InvalidInput("model", f"floe trains the policy only, not {model!r}")
         self.calls["optim_step"] += 1
         res = self.client.optim_step(lr=self.scheduler.get_last_lr()[0])
-        self.scheduler.optimizer.step()  # the stand-in has no gradients: keeps torch's step-order check quiet
-        self.scheduler.step()
+        advance(self.scheduler)
         self.dirty = True
         self.trainer.all_metrics["policy/policy_lr"] = res.lr
         return res.grad_norm
@@ -154,9 +154,7 @@ class FloeDispatch:
     def _scheduler_at(self, step: int) -> Any:
         """SkyRL's LR scheduler after `step` optimizer steps (where its own checkpoint would resume it)."""
         scheduler = lr_scheduler(asdict(self.cfg.trainer.policy.optimizer_config), self.total_optimizer_steps)
-        for _ in range(step):
-            scheduler.optimizer.step()
-            scheduler.step()
+        advance(scheduler, step)
         return scheduler
 
     # -- weights for the sampler -------------------------------------------------------------------

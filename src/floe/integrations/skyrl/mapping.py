@@ -27,6 +27,7 @@ from typing import Any, Literal
 import torch
 
 from floe.errors import InvalidInput
+from floe.integrations.stand_in import stand_in_optimizer
 
 SKYRL_VERSION = "0.4.0"
 
@@ -231,7 +232,7 @@ def lr_scheduler(optimizer: Mapping[str, Any], total_steps: int | None) -> torch
     warmup = optimizer.get("num_warmup_steps", 0)
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise InvalidInput(OPTIMIZER_KEY + "num_warmup_steps", f"must be an int >= 0, got {warmup!r}")
-    stand_in = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=float(optimizer.get("lr", 1e-6)))
+    stand_in = stand_in_optimizer(float(optimizer.get("lr", 1e-6)))
     try:
         return get_scheduler(name, stand_in, num_warmup_steps=warmup, num_training_steps=total_steps)
     except ValueError as e:  # transformers' "requires `num_training_steps`, please provide that argument."

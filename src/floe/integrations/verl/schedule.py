@@ -18,6 +18,7 @@ import torch
 from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
 from floe.errors import InvalidInput
+from floe.integrations.stand_in import advance, stand_in_optimizer
 from floe.integrations.verl.backend_config import OPTIM, scheduler_type
 
 
@@ -34,7 +35,7 @@ def verl_scheduler(optim: Mapping[str, Any]) -> torch.optim.lr_scheduler.LRSched
     warmup = int(optim.get("lr_warmup_steps") or -1)
     if warmup <= 0:  # verl's rule: a ratio of the total when no step count is given
         warmup = int(float(optim.get("lr_warmup_steps_ratio") or 0.0) * total)
-    stand_in = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=float(optim.get("lr", 1e-6)))
+    stand_in = stand_in_optimizer(float(optim.get("lr", 1e-6)))
     if kind == "constant":
         return get_constant_schedule_with_warmup(optimizer=stand_in, num_warmup_steps=warmup)
     return get_cosine_schedule_with_warmup(
@@ -53,19 +54,18 @@ class VerlSchedule:
     def __init__(self, optim: Mapping[str, Any], steps: int = 0):
         self.optim = dict(optim)
         self.scheduler = verl_scheduler(self.optim)
-        self.steps = 0
-        for _ in range(steps):
-            self.step()
+        advance(self.scheduler, steps)
+
+    @property
+    def steps(self) -> int:
+        return int(self.scheduler.last_epoch)
 
     @property
     def lr(self) -> float:
         return float(self.scheduler.get_last_lr()[0])
 
     def step(self) -> float:
-        self.scheduler.optimizer.step()  # the stand-in has no gradients; keeps torch's step-order check quiet
-        self.scheduler.step()
-        self.steps += 1
-        return self.lr
+        return advance(self.scheduler)
 
     def at(self, steps: int) -> VerlSchedule:
         """The same schedule after `steps` training steps."""
