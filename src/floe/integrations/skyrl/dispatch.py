@@ -34,7 +34,7 @@ from floe.atomic import atomic_write_text
 from floe.convert import skyrl_to_batch, skyrl_token_values
 from floe.errors import InvalidInput
 from floe.integrations.skyrl.inference import FloeInferenceClient
-from floe.integrations.skyrl.mapping import SkyRLLoss, floe_advantages, lr_scheduler, token_weights
+from floe.integrations.skyrl.mapping import SkyRLLoss, floe_advantages, lr_scheduler, optimizer_steps, token_weights
 from floe.integrations.stand_in import advance
 
 ZONES = {"policy": "policy", "ref": "reference"}
@@ -253,10 +253,8 @@ class FloeRayPPOTrainer(RayPPOTrainer):
         self.critic_model = None
         self.ref_model = "floe:reference" if (algorithm.use_kl_loss or algorithm.use_kl_in_reward) else None  # type: ignore[assignment]
         assert isinstance(self.inference_engine_client, FloeInferenceClient)
-        # SkyRL's own count (RayPPOTrainer.build_models): the scheduler spans every optimizer step.
-        t = self.cfg.trainer
-        per_batch = t.train_batch_size // t.policy_mini_batch_size * t.update_epochs_per_batch
-        total = self.total_training_steps * per_batch if self.total_training_steps is not None else None
+        # SkyRL's own count: the scheduler spans every optimizer step of the run.
+        total = optimizer_steps(self.cfg.trainer, self.total_training_steps)
         self.dispatch = FloeDispatch(self.cfg, client, loss, calls, self.inference_engine_client, self, total)  # type: ignore[assignment]
         self.dispatch.run_name = self.cfg.trainer.run_name or "skyrl"
 

@@ -42,7 +42,7 @@ from floe.atomic import atomic_write_text
 from floe.errors import InvalidInput
 from floe.integrations.skyrl.dispatch import FloeRayPPOTrainer
 from floe.integrations.skyrl.inference import FloeInferenceClient
-from floe.integrations.skyrl.mapping import SkyRLLoss, map_loss, map_optimizer
+from floe.integrations.skyrl.mapping import SkyRLLoss, map_loss, map_optimizer, optimizer_steps
 
 OVERRIDE_KEY = "trainer.override_entrypoint="
 CALLS_FILE = "floe_calls.json"
@@ -98,10 +98,7 @@ def check_supported(cfg: SkyRLTrainConfig) -> SkyRLLoss:
 
 
 def _total_optimizer_steps(cfg: SkyRLTrainConfig) -> int | None:
-    t = cfg.trainer
-    if t.max_training_steps is None:
-        return None
-    return t.max_training_steps * (t.train_batch_size // t.policy_mini_batch_size) * t.update_epochs_per_batch
+    return optimizer_steps(cfg.trainer, cfg.trainer.max_training_steps)
 
 
 def connect_floe(cfg: FloeSkyRLConfig) -> floe.Client:

@@ -209,6 +209,16 @@ def map_optimizer(optimizer: Mapping[str, Any], total_steps: int | None = None) 
     return out
 
 
+def optimizer_steps(trainer: Any, training_steps: int | None) -> int | None:
+    """Optimizer steps of `training_steps` SkyRL training steps (None stays None), counted as
+    SkyRL's RayPPOTrainer.build_models counts them for its scheduler: per training step,
+    train_batch_size // policy_mini_batch_size mini-batches × update_epochs_per_batch.
+    `trainer`: SkyRL's ``cfg.trainer``."""
+    if training_steps is None:
+        return None
+    return training_steps * (trainer.train_batch_size // trainer.policy_mini_batch_size * trainer.update_epochs_per_batch)
+
+
 def lr_scheduler(optimizer: Mapping[str, Any], total_steps: int | None) -> torch.optim.lr_scheduler.LRScheduler:
     """SkyRL's LR scheduler, built as its FSDP strategy builds it (``transformers.get_scheduler(
     scheduler, AdamW(lr), num_warmup_steps, num_training_steps)``), over a one-element stand-in
