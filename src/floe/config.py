@@ -113,6 +113,13 @@ class VllmEngineConfig(StrictModel):
     )
     max_num_seqs: int = Field(256, gt=0, description="sequences vLLM schedules in one step")
     max_model_len: int | None = Field(None, gt=0, description="longest prompt + sample; None = the model's limit")
+    max_num_batched_tokens: int | None = Field(
+        None, gt=0, description="tokens vLLM schedules in one step (prefill chunks included); None = vLLM's default"
+    )
+    enable_chunked_prefill: bool | None = Field(
+        None, description="split long prefills across steps; None = vLLM's default on GPU, off on CPU (where it "
+        "cannot be used: docs/engines.md)"
+    )
     enforce_eager: bool = Field(False, description="no CUDA graphs / torch.compile: faster start, slower decode")
     enable_prefix_caching: bool = Field(True, description="share KV blocks of a prompt among its n samples")
     enable_sleep_mode: bool = Field(False, description="allow sleep/wake_up (colocation); needs CUDA")

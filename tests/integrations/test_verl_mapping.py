@@ -101,19 +101,24 @@ def test_mapped_configs_run_on_a_real_backend(make_client, mode):
 
 
 def test_floe_block_defaults_to_an_own_backend_on_the_recipe_model():
-    cfg = {"actor_rollout_ref": {"model": {"path": "/models/tiny"}, "actor": VERL_ACTOR_DEFAULTS}}
+    cfg = {"trainer": {"device": "cpu"}, "actor_rollout_ref": {"model": {"path": "/models/tiny"}, "actor": VERL_ACTOR_DEFAULTS}}
     target = floe_target(cfg)
     assert target.url is None and target.token is None
-    assert target.backend == {"model": "/models/tiny", "optimizer": {
-        "lr": 1e-6, "weight_decay": 0.01, "grad_clip": 1.0, "betas": (0.9, 0.999), "schedule": "constant"}}
+    assert target.backend is not None and target.backend["model"] == "/models/tiny"
+    assert target.backend["optimizer"] == {
+        "lr": 1e-6, "weight_decay": 0.01, "grad_clip": 1.0, "betas": (0.9, 0.999), "schedule": "constant"}
+    assert target.backend["device"] == "cpu"  # the rest of the recipe's hardware: tests/integrations/test_verl_hardware.py
     floe.BackendConfig.model_validate(target.backend)  # a valid floe config
-    cfg["floe"] = {"backend": {"num_threads": 1, "optimizer": {"lr": 0.5}}}
+    cfg["floe"] = {"backend": {"num_threads": 1, "optimizer": {"lr": 0.5}, "compute": {"logprob_chunk_tokens": 64}}}
     target = floe_target(cfg)
     assert target.backend["num_threads"] == 1 and target.backend["optimizer"]["lr"] == 0.5
+    assert target.backend["optimizer"]["weight_decay"] == 0.01  # floe.backend merges into what the recipe mapped
+    assert target.backend["compute"] == {"gradient_checkpointing": True, "logprob_chunk_tokens": 64}
 
 
 def test_floe_block_with_a_url():
-    target = floe_target({"floe": {"url": "http://127.0.0.1:7000/", "token": "t", "timeout_s": 30}})
+    target = floe_target({"floe": {"url": "http://127.0.0.1:7000/", "token": "t", "timeout_s": 30},
+                          "trainer": {"device": "cpu"}})
     assert (target.url, target.token, target.timeout_s, target.backend) == ("http://127.0.0.1:7000", "t", 30.0, None)
 
 

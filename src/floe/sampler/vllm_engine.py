@@ -238,11 +238,18 @@ class VllmEngine:
         }
         if config.kv_cache_memory_gib is not None:
             kwargs["kv_cache_memory_bytes"] = int(config.kv_cache_memory_gib * 2**30)
+        if config.max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens
+        if config.enable_chunked_prefill is not None:
+            kwargs["enable_chunked_prefill"] = config.enable_chunked_prefill
         # The engine core and worker run here (no pickled RPC, weights pushed by direct call).
         # vLLM's worker seeds torch's global RNG and, on CPU, replaces torch.set_num_threads;
         # both belong to the policy in this process, so they are restored afterwards.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if current_platform.is_cpu():
+            if config.enable_chunked_prefill:
+                raise InvalidInput(f"{field}.enable_chunked_prefill", "vLLM's CPU generators cannot rewind a seeded "
+                                   "partial prefill (docs/engines.md); set it false or leave it unset on the CPU")
             _keep_cpu_linear_weights()
             kwargs["enable_chunked_prefill"] = False  # CPU generators cannot rewind (module docstring)
         set_num_threads = torch.set_num_threads

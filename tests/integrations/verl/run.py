@@ -20,7 +20,11 @@ FLOE_SWITCH = ["trainer.v1.trainer_mode=floe", "actor_rollout_ref.rollout.name=f
 def grpo_recipe(model: Path, train: Path, test: Path, out: Path, steps: int = 3, save_freq: int = -1) -> list[str]:
     """A small GRPO recipe for verl's main_ppo (CPU-sized), validation before training and every 2 steps."""
     return [
-        "trainer.device=cpu", "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
+        "trainer.n_gpus_per_node=1", "trainer.nnodes=1", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        # CPU precision: fp32 everywhere (verl's default is bf16 compute), so the sampler's and the
+        # trainer's log-probs agree to float32 rounding
+        "actor_rollout_ref.actor.fsdp_config.dtype=float32", "actor_rollout_ref.ref.fsdp_config.dtype=float32",
+        "actor_rollout_ref.rollout.dtype=float32",
         f"trainer.total_training_steps={steps}", "trainer.total_epochs=1",
         "trainer.val_before_train=True", "trainer.test_freq=2", f"trainer.save_freq={save_freq}",
         "trainer.logger=[console]", "trainer.resume_mode=disable", f"trainer.default_local_dir={out}/checkpoints",
@@ -60,6 +64,11 @@ def parse_steps(log: str) -> dict[int, dict[str, float]]:
         if m:
             steps.setdefault(int(m.group(1)), {}).update({k: float(v) for k, v in _PAIR.findall(m.group(2))})
     return steps
+
+
+# verl 0.9.1 cannot ask for the CPU itself (main_ppo's auto_set_device makes trainer.device "cuda"
+# on any machine): the plugin's own backend is told so (floe.integrations.verl.hardware).
+ON_CPU = "+floe.backend.device=cpu"
 
 
 def run_main_ppo(args: list[str], log_path: Path, timeout_s: int = 900) -> Run:

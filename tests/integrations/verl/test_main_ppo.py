@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from tests.integrations.verl.assets import make_data, make_model
-from tests.integrations.verl.run import Run, grpo_recipe, run_main_ppo, verl_engine_rates
+from tests.integrations.verl.run import ON_CPU, Run, grpo_recipe, run_main_ppo, verl_engine_rates
 
 pytestmark = [pytest.mark.verl, pytest.mark.timeout(1200)]
 
@@ -69,8 +69,8 @@ SCHEDULE = {"lr_scheduler_type": "cosine", "lr_warmup_steps": 2, "min_lr_ratio":
 def test_main_ppo_on_the_plugins_own_backend(assets):
     out = assets["root"] / "own"
     schedule = [f"actor_rollout_ref.actor.optim.{k}={v}" for k, v in SCHEDULE.items()]
-    run = run_main_ppo(grpo_recipe(assets["model"], assets["train"], assets["test"], out, save_freq=STEPS) + schedule,
-                       assets["root"] / "own.log")
+    run = run_main_ppo(grpo_recipe(assets["model"], assets["train"], assets["test"], out, save_freq=STEPS) + schedule
+                       + [ON_CPU], assets["root"] / "own.log")
     print(f"verl main_ppo on floe (own backend): {run.seconds:.0f} s")
     check_run(run)
     # verl's V1 sets total = steps x sync step (1); one rate more: the one actor/lr reports after the last step
@@ -79,11 +79,25 @@ def test_main_ppo_on_the_plugins_own_backend(assets):
     assert [run.steps[s]["actor/lr"] for s in range(1, STEPS + 1)] == pytest.approx(rates[1:], rel=1e-9)
     assert rates[0] == 0.0 and rates[2] == pytest.approx(1e-3)  # the warm-up starts at 0 and reaches lr
     assert re.search(r"floe backend at http://127\.0\.0\.1:\d+ \(started by the plugin\)", run.log)
+    # the recipe's own device, precision and memory keys set the backend (hardware.py)
+    assert ("floe backend settings: device=cpu dtype=float32 engine=torch placement=local "
+            "gradient_checkpointing=True") in run.log
     # verl's checkpoint at the last step names the floe state the plugin saved for it.
     marker = json.loads((out / "checkpoints" / f"global_step_{STEPS}" / "actor" / "floe_state.json").read_text())
     assert marker["state"] == f"verl_step_{STEPS}" and marker["step"] == MINI_BATCHES * STEPS
     assert marker["lr_scheduler_steps"] == STEPS
     assert (out / "checkpoints" / "floe_state" / marker["state"]).is_dir()
+
+
+def test_a_gpu_recipe_without_a_gpu_is_refused_before_anything_starts(assets):
+    """The recipe as it would run on a GPU box (trainer.device=cuda, no floe device key) on this
+    CPU machine: main_ppo exits with floe's error naming trainer.device (the Ray cluster verl
+    started has no GPU) before any model loads, not a CUDA traceback later."""
+    args = grpo_recipe(assets["model"], assets["train"], assets["test"], assets["root"] / "gpu") + ["trainer.device=cuda"]
+    run = run_main_ppo(args, assets["root"] / "gpu.log", timeout_s=400)
+    assert run.returncode not in (0, 124, 137), run.log[-3000:]
+    assert "InvalidInput" in run.log and "trainer.device" in run.log and "the Ray cluster has 0" in run.log, run.log[-3000:]
+    assert not run.steps  # no training step ran
 
 
 def _free_port() -> int:

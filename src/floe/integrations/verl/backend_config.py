@@ -18,6 +18,10 @@ started with).
 | lr, betas, weight_decay, clip_grad          | lr, betas, weight_decay, grad_clip            |
 | lr_scheduler_type (constant, cosine), lr_warmup_steps(_ratio), min_lr_ratio, num_cycles, zero_indexed_step | verl's own scheduler in the plugin (schedule.py), stepped once per training step; each optim_step carries its rate |
 
+The device, dtype, memory and engine keys of the recipe (`trainer.device`, the FSDP dtype,
+offload, `rollout.name` and its vLLM settings, ...) become the rest of that BackendConfig
+(hardware.py); `floe.backend` keys are applied last, on top of both.
+
 Unknown keys in the block, and verl settings floe cannot honour, raise InvalidInput naming
 the key.
 """
@@ -29,7 +33,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from floe.config import deep_merge
 from floe.errors import InvalidInput
+from floe.integrations.verl.hardware import VerlHardware, verl_hardware
 
 _BLOCK_KEYS = {"url", "token", "timeout_s", "backend"}
 OPTIM = "actor_rollout_ref.actor.optim"
@@ -38,12 +44,14 @@ OPTIM = "actor_rollout_ref.actor.optim"
 @dataclass(frozen=True)
 class FloeTarget:
     """Where the plugin's floe backend is: `url` (+ `token`) of a running server, or, when
-    `url` is None, the BackendConfig dict (`backend`) of the server the plugin starts."""
+    `url` is None, the BackendConfig dict (`backend`) of the server the plugin starts;
+    `hardware`: what the recipe's device, precision and engine keys ask for (hardware.py)."""
 
     url: str | None
     token: str | None
     timeout_s: float
     backend: dict[str, Any] | None
+    hardware: VerlHardware
 
 
 def _optimizer(optim: Mapping[str, Any]) -> dict[str, Any]:
@@ -107,25 +115,31 @@ def floe_target(config: Mapping[str, Any]) -> FloeTarget:
     overrides = block.get("backend") or {}
     if not isinstance(overrides, Mapping):
         raise InvalidInput("floe.backend", f"must be a mapping of BackendConfig keys, got {overrides!r}")
+    hardware = verl_hardware(config, overrides.get("device"))
     if url is not None:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise InvalidInput("floe.url", f"must be an http(s):// URL of a `floe serve`, got {url!r}")
         if overrides:
             raise InvalidInput("floe.backend", "configures the plugin's own backend; a floe.url server has its own "
                                "configuration: drop one of them")
-        return FloeTarget(url.rstrip("/"), token, float(timeout), None)
+        return FloeTarget(url.rstrip("/"), token, float(timeout), None, hardware)
     if token is not None:
         raise InvalidInput("floe.token", "is for a floe.url server; the plugin's own backend gets a fresh token")
     aro = config.get("actor_rollout_ref") or {}
     model = (aro.get("model") or {}).get("path")
     if not isinstance(model, str) or not model:
         raise InvalidInput("actor_rollout_ref.model.path", "must name the model the floe backend trains")
-    backend: dict[str, Any] = {"model": model, "optimizer": _optimizer((aro.get("actor") or {}).get("optim") or {})}
-    for key, value in overrides.items():
-        if key == "model":
-            raise InvalidInput("floe.backend.model", "comes from actor_rollout_ref.model.path; drop it")
-        if key == "optimizer" and isinstance(value, Mapping):
-            backend["optimizer"] = {**backend["optimizer"], **value}
-        else:
-            backend[key] = value
-    return FloeTarget(None, None, float(timeout), backend)
+    backend: dict[str, Any] = {"model": model, "optimizer": _optimizer((aro.get("actor") or {}).get("optim") or {}),
+                               **hardware.backend}
+    if "model" in overrides:
+        raise InvalidInput("floe.backend.model", "comes from actor_rollout_ref.model.path; drop it")
+    # A different engine or placement kind in floe.backend replaces the recipe's table (its keys
+    # belong to the other kind); otherwise the override merges into what the recipe mapped to.
+    sampler = overrides.get("sampler")
+    engine = sampler.get("engine") if isinstance(sampler, Mapping) else None
+    if isinstance(engine, Mapping) and engine.get("name", hardware.engine) != hardware.engine:
+        backend["sampler"] = {}
+    placement = overrides.get("placement")
+    if isinstance(placement, Mapping) and placement.get("kind", backend["placement"]["kind"]) != backend["placement"]["kind"]:
+        backend["placement"] = {}
+    return FloeTarget(None, None, float(timeout), deep_merge(backend, dict(overrides)), hardware)

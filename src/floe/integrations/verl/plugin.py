@@ -8,13 +8,16 @@ VERL_USE_EXTERNAL_MODULES=floe.integrations.verl.plugin). It registers:
   GRPO advantages, validation, metrics and checkpoints run unchanged; the actor's
   log-probs, the reference log-probs and the PPO updates go to floe (`FloeWorkerGroup`), and
   weight sync is `client.sync_weights(version=<verl's global step>)` (`FloeWeightSync`).
-* rollout "floe" (`actor_rollout_ref.rollout.name=floe`): a rollout replica whose server
-  (`FloeRolloutServer`, a Ray actor) answers verl's token-in/token-out `generate` with
-  `client.sample`, batching concurrent requests by prompt so each prompt is prefilled once.
+* rollout "floe": a rollout replica whose server (`FloeRolloutServer`, a Ray actor) answers
+  verl's token-in/token-out `generate` with `client.sample`, batching concurrent requests by
+  prompt so each prompt is prefilled once. With the floe trainer mode every rollout is floe's:
+  the recipe's `rollout.name` (vllm, or floe for floe's torch engine) picks the engine of floe's
+  sampler (hardware.py), and the trainer renames it to "floe" before verl builds its replicas.
 
 The backend is chosen by the recipe's `floe` block (backend_config.py): by default a
-`floe serve` the plugin starts on loopback from `actor_rollout_ref.model.path`, or a given
-URL + token. The loss comes from verl's actor config (loss_mapping.py), the learning rate of
+`floe serve` the plugin starts on loopback from `actor_rollout_ref.model.path`, with the
+recipe's device, dtype, memory and engine settings (hardware.py; on one GPU the server runs
+under a Ray actor that holds the GPU), or a given URL + token. The loss comes from verl's actor config (loss_mapping.py), the learning rate of
 each step from verl's own LR scheduler (schedule.py). Everything crosses to
 floe through the public client API and floe.convert.
 
@@ -35,7 +38,7 @@ from typing import Any
 import ray
 import torch
 import transfer_queue as tq
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 from tensordict import TensorDict
 from verl.experimental.reward_loop import RewardLoopManager
 from verl.trainer.ppo.v1 import PPOTrainerSync, register_trainer
@@ -59,6 +62,54 @@ STATE_MARKER = "floe_state.json"  # written into verl's actor checkpoint folder:
 
 def _connect(url: str, token: str | None, timeout_s: float) -> floe.Client:
     return floe.connect(url, token=token, timeout=timeout_s)
+
+
+def _check_gpus(gpus: int) -> None:
+    """InvalidInput("trainer.device") when the Ray cluster verl started has fewer GPUs than the
+    recipe asks for (verl's own processes, Ray actors without GPUs, cannot see them either)."""
+    if not gpus:
+        return
+    have = int(ray.cluster_resources().get("GPU", 0))
+    if have < gpus:
+        raise InvalidInput("trainer.device", f"cuda with trainer.n_gpus_per_node x trainer.nnodes = {gpus} GPUs, but the "
+                           f"Ray cluster has {have} (verl 0.9.1 sets trainer.device=cuda even on a machine without "
+                           "GPUs); to train on the CPU add +floe.backend.device=cpu, or lower trainer.n_gpus_per_node")
+
+
+@ray.remote
+class _GpuServer:
+    """Holds the GPU of a one-GPU run for the plugin's `floe serve`: Ray shows a GPU only to the
+    actor it is given to, and the server process inherits the actor's view of it."""
+
+    def __init__(self, backend: dict[str, Any]):
+        self.server = LocalServer(backend)
+
+    def address(self) -> tuple[str, str]:
+        return self.server.url, self.server.token
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+class _ServerOnGpu:
+    """`url`, `token`, `stop()` of a `floe serve` running under a `_GpuServer` actor."""
+
+    def __init__(self, backend: dict[str, Any]):
+        self.actor = _GpuServer.options(num_gpus=1, num_cpus=0).remote(backend)  # type: ignore[attr-defined]
+        self.url, self.token = ray.get(self.actor.address.remote())
+
+    def stop(self) -> None:
+        ray.get(self.actor.stop.remote())
+        ray.kill(self.actor)
+
+
+def _start_server(backend: dict[str, Any]) -> Any:
+    """The plugin's own `floe serve`: a child of this process, or, for a local placement on a GPU,
+    of an actor that holds the GPU (a Ray placement's actors take their own GPUs)."""
+    local = (backend.get("placement") or {}).get("kind", "local") == "local"
+    if local and str(backend.get("device", "cpu")).startswith("cuda"):
+        return _ServerOnGpu(backend)
+    return LocalServer(backend)
 
 
 def _non_tensor(data: TensorDict, key: str) -> list[Any]:
@@ -263,16 +314,27 @@ class FloeTrainer(PPOTrainerSync):
         if self.use_teacher_policy:
             raise InvalidInput("distillation", "on-policy distillation is not supported by floe's verl plugin")
         target = floe_target(cfg)
-        self.floe_server: LocalServer | None = None
+        if target.url is None:  # a floe.url server has GPUs of its own
+            _check_gpus(target.hardware.gpus)
+        # The rollout engine the recipe names (vllm) is floe's sampler engine now (hardware.py);
+        # verl's replica for it is floe's.
+        with open_dict(self.config):
+            self.config.actor_rollout_ref.rollout.name = "floe"
+        self.floe_server: Any = None
         if target.url is None:
             backend = dict(target.backend or {})
             backend.setdefault("state_dir", os.path.abspath(os.path.join(cfg["trainer"]["default_local_dir"], "floe_state")))
-            self.floe_server = LocalServer(backend)
+            self.floe_server = _start_server(backend)
             url, token = self.floe_server.url, self.floe_server.token
         else:
             url, token = target.url, target.token or os.environ.get("FLOE_TOKEN")
         client = _connect(url, token, target.timeout_s)
         log.warning("floe backend at %s (%s)", url, "started by the plugin" if self.floe_server else "given")
+        if target.backend is not None:
+            b = target.backend
+            log.warning("floe backend settings: device=%s dtype=%s engine=%s placement=%s gradient_checkpointing=%s",
+                        b["device"], b["dtype"], b["sampler"]["engine"]["name"], b["placement"]["kind"],
+                        b["compute"]["gradient_checkpointing"])
         self.ref_in_actor = False
         schedule = VerlSchedule(cfg["actor_rollout_ref"]["actor"]["optim"])
         self.actor_rollout_wg = FloeWorkerGroup(client, self.floe_loss, schedule, url, token, target.timeout_s)
