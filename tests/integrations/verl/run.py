@@ -15,6 +15,9 @@ from types import SimpleNamespace
 
 HERE = Path(__file__).parent
 FLOE_SWITCH = ["trainer.v1.trainer_mode=floe", "actor_rollout_ref.rollout.name=floe"]
+# The one-key switch on a recipe that keeps verl's vLLM rollout: floe's sampler takes the vLLM
+# engine then (verl's environment has no vLLM: the test runs name floe's torch engine instead).
+VLLM_RECIPE_SWITCH = ["trainer.v1.trainer_mode=floe", "actor_rollout_ref.rollout.name=vllm"]
 
 
 def grpo_recipe(model: Path, train: Path, test: Path, out: Path, steps: int = 3, save_freq: int = -1) -> list[str]:
@@ -71,13 +74,13 @@ def parse_steps(log: str) -> dict[int, dict[str, float]]:
 ON_CPU = "+floe.backend.device=cpu"
 
 
-def run_main_ppo(args: list[str], log_path: Path, timeout_s: int = 900) -> Run:
-    """`python -m verl.trainer.main_ppo ARGS` with floe's two keys; killed after `timeout_s`
+def run_main_ppo(args: list[str], log_path: Path, timeout_s: int = 900, switch: list[str] = FLOE_SWITCH) -> Run:
+    """`python -m verl.trainer.main_ppo ARGS` with floe's switch keys; killed after `timeout_s`
     (verl waits forever when an agent loop fails, so every run needs an outer timeout)."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "WANDB_MODE": "disabled", "RAY_DEDUP_LOGS": "0",
            "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     # hydra.run.dir: hydra's own outputs go next to the log, not into the checkout's outputs/
-    cmd = ["timeout", "-k", "30", str(timeout_s), sys.executable, "-m", "verl.trainer.main_ppo", *FLOE_SWITCH, *args,
+    cmd = ["timeout", "-k", "30", str(timeout_s), sys.executable, "-m", "verl.trainer.main_ppo", *switch, *args,
            f"hydra.run.dir={log_path.parent / (log_path.stem + '.hydra')}"]
     start = time.monotonic()
     with open(log_path, "wb") as out:

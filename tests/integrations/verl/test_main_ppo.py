@@ -1,7 +1,8 @@
 """verl's real entrypoint on floe: `python -m verl.trainer.main_ppo` with a stock GRPO recipe
 (3 steps, validation before training and every 2 steps, a tiny model, generated GSM8K-style
-parquet) plus `trainer.v1.trainer_mode=floe actor_rollout_ref.rollout.name=floe` — once on the
-plugin's own backend, once against a `floe serve` process on loopback. The first run also sets
+parquet) switched to floe — once on the plugin's own backend with the one-key switch
+(`trainer.v1.trainer_mode=floe`, the recipe's rollout.name=vllm kept), once against a `floe serve`
+process on loopback with `actor_rollout_ref.rollout.name=floe` as well. The first run also sets
 a warm-up + cosine LR schedule: each step's updates run at the rate verl's own scheduler gives
 that step, and `actor/lr` is the rate after it, as verl logs it. Runs in verl's environment
 (scripts/ci/verl.sh); each run is under an outer timeout."""
@@ -22,7 +23,7 @@ import httpx
 import pytest
 
 from tests.integrations.verl.assets import make_data, make_model
-from tests.integrations.verl.run import ON_CPU, Run, grpo_recipe, run_main_ppo, verl_engine_rates
+from tests.integrations.verl.run import ON_CPU, VLLM_RECIPE_SWITCH, Run, grpo_recipe, run_main_ppo, verl_engine_rates
 
 pytestmark = [pytest.mark.verl, pytest.mark.timeout(1200)]
 
@@ -69,8 +70,11 @@ SCHEDULE = {"lr_scheduler_type": "cosine", "lr_warmup_steps": 2, "min_lr_ratio":
 def test_main_ppo_on_the_plugins_own_backend(assets):
     out = assets["root"] / "own"
     schedule = [f"actor_rollout_ref.actor.optim.{k}={v}" for k, v in SCHEDULE.items()]
+    # The recipe keeps verl's rollout.name=vllm (the one-key switch); verl's environment has no
+    # vLLM, so floe's torch engine stands in for it.
     run = run_main_ppo(grpo_recipe(assets["model"], assets["train"], assets["test"], out, save_freq=STEPS) + schedule
-                       + [ON_CPU], assets["root"] / "own.log")
+                       + [ON_CPU, "+floe.backend.sampler.engine.name=torch"], assets["root"] / "own.log",
+                       switch=VLLM_RECIPE_SWITCH)
     print(f"verl main_ppo on floe (own backend): {run.seconds:.0f} s")
     check_run(run)
     # verl's V1 sets total = steps x sync step (1); one rate more: the one actor/lr reports after the last step
@@ -94,7 +98,7 @@ def test_a_gpu_recipe_without_a_gpu_is_refused_before_anything_starts(assets):
     CPU machine: main_ppo exits with floe's error naming trainer.device (the Ray cluster verl
     started has no GPU) before any model loads, not a CUDA traceback later."""
     args = grpo_recipe(assets["model"], assets["train"], assets["test"], assets["root"] / "gpu") + ["trainer.device=cuda"]
-    run = run_main_ppo(args, assets["root"] / "gpu.log", timeout_s=400)
+    run = run_main_ppo(args, assets["root"] / "gpu.log", timeout_s=400, switch=VLLM_RECIPE_SWITCH)
     assert run.returncode not in (0, 124, 137), run.log[-3000:]
     assert "InvalidInput" in run.log and "trainer.device" in run.log and "the Ray cluster has 0" in run.log, run.log[-3000:]
     assert not run.steps  # no training step ran
