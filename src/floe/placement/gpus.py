@@ -17,10 +17,13 @@ offloaded state would go anyway, so the layout is always local.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["GpuLayout", "placement_for"]
+from floe.errors import InvalidInput
+
+__all__ = ["GpuLayout", "check_cluster_gpus", "needs_gpu_process", "placement_for"]
 
 
 @dataclass(frozen=True)
@@ -49,3 +52,23 @@ def placement_for(layout: GpuLayout) -> dict[str, Any]:
         "sampler": {"workers": layout.gpus, "gpus": 0.5},
         "reference": {"colocate_with_policy": True},
     }
+
+
+def needs_gpu_process(backend: Mapping[str, Any]) -> bool:
+    """True when `backend` (a BackendConfig dict) runs every zone in one process on a GPU: that
+    process must be one Ray gave the GPU to (Ray hides GPUs from tasks and actors it gave none;
+    a Ray placement's own actors take theirs)."""
+    kind = (backend.get("placement") or {}).get("kind", "local")
+    return kind == "local" and str(backend.get("device", "cpu")).startswith("cuda")
+
+
+def check_cluster_gpus(gpus: int, field: str, hint: str) -> None:
+    """InvalidInput(`field`) when the connected Ray cluster has fewer than `gpus` GPUs (checked
+    before any model loads; `hint` says how the user trains on the CPU instead)."""
+    if not gpus:
+        return
+    import ray  # noqa: PLC0415 - only the integrations, which run on Ray, call this
+
+    have = int(ray.cluster_resources().get("GPU", 0))
+    if have < gpus:
+        raise InvalidInput(field, f"the run asks for {gpus} GPUs but the Ray cluster has {have}; {hint}")

@@ -54,6 +54,8 @@ def run_skyrl(assets: dict[str, Path], out: Path, *extra: str) -> subprocess.Com
         f"data.train_data=['{assets['train']}']", f"data.val_data=['{assets['val']}']",
         f"trainer.policy.model.path={assets['model']}",
         "trainer.placement.colocate_all=false", "trainer.strategy=fsdp", "trainer.flash_attn=false",
+        # CPU precision: fp32 (SkyRL's default is bf16), so sampler and trainer log-probs agree to fp32 rounding
+        "trainer.bf16=false", "generator.inference_engine.model_dtype=float32",
         f"trainer.train_batch_size={TRAIN_BATCH}", f"trainer.policy_mini_batch_size={MINI_BATCH}",
         "trainer.micro_train_batch_size_per_gpu=2", "trainer.micro_forward_batch_size_per_gpu=2",
         "trainer.epochs=1", f"trainer.max_training_steps={STEPS}",
@@ -105,8 +107,24 @@ def check_run(proc: subprocess.CompletedProcess[str], out: Path, lrs: list[float
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 def test_skyrl_main_base_with_embedded_floe(assets: dict[str, Path], tmp_path: Path) -> None:
-    proc = run_skyrl(assets, tmp_path)
+    # SkyRL has no CPU mode: floe.backend.device=cpu; SkyRL's environment has no vLLM, so floe's
+    # torch engine stands in for the recipe's (default) vllm backend.
+    proc = run_skyrl(assets, tmp_path, "floe.backend.device=cpu", "floe.backend.sampler.engine.name=torch")
     check_run(proc, tmp_path)
+    log = (tmp_path / "run.log").read_text()
+    assert "floe backend settings: device=cpu dtype=float32 engine=torch placement=local" in log, log[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_a_gpu_recipe_without_a_gpu_is_refused_before_anything_starts(assets: dict[str, Path], tmp_path: Path) -> None:
+    """SkyRL's recipe as on a GPU box (no floe device key) on this CPU machine: exits with floe's
+    error naming the placement key before any model loads."""
+    proc = run_skyrl(assets, tmp_path)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode not in (0, 124), log[-3000:]
+    assert "InvalidInput" in log and "trainer.placement.policy_num_gpus_per_node" in log, log[-3000:]
+    assert "the Ray cluster has 0" in log and "floe.backend.device=cpu" in log, log[-3000:]
+    assert not (tmp_path / "export" / "floe_metrics.jsonl").exists()
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 120)

@@ -100,7 +100,8 @@ def test_a_gpu_recipe_without_a_gpu_is_refused_before_anything_starts(assets):
     args = grpo_recipe(assets["model"], assets["train"], assets["test"], assets["root"] / "gpu") + ["trainer.device=cuda"]
     run = run_main_ppo(args, assets["root"] / "gpu.log", timeout_s=400, switch=VLLM_RECIPE_SWITCH)
     assert run.returncode not in (0, 124, 137), run.log[-3000:]
-    assert "InvalidInput" in run.log and "trainer.device" in run.log and "the Ray cluster has 0" in run.log, run.log[-3000:]
+    assert "InvalidInput" in run.log and "trainer.device" in run.log and "the Ray cluster has 0" in run.log
+    assert "+floe.backend.device=cpu" in run.log, run.log[-3000:]
     assert not run.steps  # no training step ran
 
 

@@ -12,7 +12,8 @@ reference and sampler are floe's.
 
 The backend: embedded by default, built from ``trainer.policy.model.path`` (reference from
 ``trainer.ref.model.path``, optimizer from ``trainer.policy.optimizer_config``, seed from
-``trainer.seed``); or a running ``floe serve`` with ``floe.url=http://host:port`` and
+``trainer.seed``, device / dtype / engine / placement from the recipe's placement, precision and
+``generator.inference_engine`` keys: hardware.py; ``floe.backend.*`` on top); or a running ``floe serve`` with ``floe.url=http://host:port`` and
 ``floe.token=...`` (default: $FLOE_TOKEN), whose own configuration then applies. At the end
 the number of each floe call made is written to ``<trainer.export_path>/floe_calls.json``, and
 every metrics record SkyRL logs is also appended, at full precision, to
@@ -21,6 +22,7 @@ every metrics record SkyRL logs is also appended, at full precision, to
 
 import importlib
 import json
+import logging
 import os
 import sys
 from collections import Counter
@@ -39,12 +41,17 @@ from skyrl.train.utils.utils import initialize_ray
 
 import floe
 from floe.atomic import atomic_write_text
+from floe.config import parse_config
 from floe.errors import InvalidInput
+from floe.integrations.hardware import describe, with_overrides
 from floe.integrations.skyrl.dispatch import FloeRayPPOTrainer
+from floe.integrations.skyrl.hardware import SkyRLHardware, skyrl_hardware
 from floe.integrations.skyrl.inference import FloeInferenceClient
 from floe.integrations.skyrl.mapping import SkyRLLoss, map_loss, map_optimizer, optimizer_steps
+from floe.placement.gpus import check_cluster_gpus, needs_gpu_process
 
 OVERRIDE_KEY = "trainer.override_entrypoint="
+log = logging.getLogger("floe.integrations.skyrl")
 CALLS_FILE = "floe_calls.json"
 METRICS_FILE = "floe_metrics.jsonl"
 
@@ -57,14 +64,11 @@ class FloeBlock(BaseConfig):
     """A ``floe serve`` address; None = an embedded backend in the training process."""
     token: str | None = None
     """The server's bearer token (default: $FLOE_TOKEN)."""
-    dtype: str = "float32"
-    """Embedded backend compute dtype: float32 or bfloat16 (fp32 master weights)."""
-    device: str = "cpu"
-    """Embedded backend device, e.g. cpu or cuda."""
-    num_threads: int | None = None
-    """torch threads of the embedded backend; None keeps torch's default."""
-    state_dir: str | None = None
-    """Embedded backend state folder; default <trainer.ckpt_path>/floe_states."""
+    backend: dict[str, Any] = field(default_factory=dict)
+    """BackendConfig keys of the embedded backend, applied over what the recipe's keys map to
+    (hardware.py), e.g. ``floe.backend.device=cpu`` (SkyRL has no CPU mode of its own),
+    ``floe.backend.num_threads=2``, ``floe.backend.state_dir=...`` (default
+    <trainer.ckpt_path>/floe_states)."""
     import_modules: list[str] = field(default_factory=list)
     """Modules imported in the training process before anything is built, e.g. ones that
     register custom skyrl-gym environments (SkyRL's examples do that in their own main)."""
@@ -94,6 +98,8 @@ def check_supported(cfg: SkyRLTrainConfig) -> SkyRLLoss:
     loss = map_loss(asdict(trainer.algorithm), max_tokens_per_microbatch=trainer.max_tokens_per_microbatch,
                     has_critic=bool(trainer.critic.model.path))
     map_optimizer(asdict(trainer.policy.optimizer_config), total_steps=_total_optimizer_steps(cfg))
+    floe_block = getattr(cfg, "floe", None)
+    skyrl_hardware(asdict(trainer), asdict(cfg.generator), (floe_block.backend if floe_block else {}).get("device"))
     return loss
 
 
@@ -101,27 +107,38 @@ def _total_optimizer_steps(cfg: SkyRLTrainConfig) -> int | None:
     return optimizer_steps(cfg.trainer, cfg.trainer.max_training_steps)
 
 
-def connect_floe(cfg: FloeSkyRLConfig) -> floe.Client:
-    """The floe client the config asks for (see the module doc)."""
-    block = cfg.floe
-    if block.url:
-        return floe.connect(block.url, token=block.token)
+def embedded_backend(cfg: FloeSkyRLConfig) -> tuple[dict[str, Any], SkyRLHardware]:
+    """The embedded backend's BackendConfig dict and what the recipe's hardware keys asked for:
+    model, seed, optimizer and reference from SkyRL's keys, device / dtype / engine / placement
+    from hardware.py, then ``floe.backend`` on top. InvalidInput naming the key otherwise."""
     trainer = cfg.trainer
     policy_path = trainer.policy.model.path
     if not policy_path:
         raise InvalidInput("trainer.policy.model.path", "the embedded floe backend needs the policy model path")
     ref_path = trainer.ref.model.path
     use_ref = trainer.algorithm.use_kl_loss or trainer.algorithm.use_kl_in_reward
-    return floe.connect(floe.BackendConfig(
-        model=policy_path,
-        dtype=block.dtype,  # type: ignore[arg-type] - validated by BackendConfig
-        device=block.device,
-        seed=trainer.seed,
-        num_threads=block.num_threads,
-        state_dir=block.state_dir or str(Path(trainer.ckpt_path) / "floe_states"),
-        optimizer=floe.OptimizerConfig(**map_optimizer(asdict(trainer.policy.optimizer_config), _total_optimizer_steps(cfg))),
-        reference=floe.ReferenceConfig(enabled=bool(use_ref), checkpoint=ref_path if ref_path and ref_path != policy_path else None),
-    ))
+    overrides = dict(cfg.floe.backend or {})
+    hardware = skyrl_hardware(asdict(trainer), asdict(cfg.generator), overrides.get("device"))
+    backend = {
+        "model": policy_path, "seed": trainer.seed, "state_dir": str(Path(trainer.ckpt_path) / "floe_states"),
+        "optimizer": map_optimizer(asdict(trainer.policy.optimizer_config), _total_optimizer_steps(cfg)),
+        "reference": {"enabled": bool(use_ref), "checkpoint": ref_path if ref_path and ref_path != policy_path else None},
+        **hardware.backend,
+    }
+    return with_overrides(backend, overrides, "floe.backend"), hardware
+
+
+def connect_floe(cfg: FloeSkyRLConfig) -> floe.Client:
+    """The floe client the config asks for (see the module doc)."""
+    block = cfg.floe
+    if block.url:
+        if block.backend:
+            raise InvalidInput("floe.backend", "configures the embedded backend; a floe.url server has its own "
+                               "configuration: drop one of them")
+        return floe.connect(block.url, token=block.token)
+    backend, _ = embedded_backend(cfg)
+    log.warning("%s", describe(backend))
+    return floe.connect(parse_config(floe.BackendConfig, backend, where="floe.backend"))
 
 
 class JsonlTracking(Tracking):
@@ -225,10 +242,22 @@ def parse(argv: list[str]) -> FloeSkyRLConfig:
 
 
 def main() -> None:
-    """Entry point called by SkyRL's ``main_base`` for ``trainer.override_entrypoint=floe.integrations.skyrl.entrypoint``."""
+    """Entry point called by SkyRL's ``main_base`` for ``trainer.override_entrypoint=floe.integrations.skyrl.entrypoint``.
+
+    The training task runs the embedded backend: on one GPU with every zone in its process it
+    is given that GPU (Ray shows a GPU only to the task it gives it to); with a Ray placement
+    the backend's own actors take the GPUs. Fewer GPUs in the cluster than the recipe asks for
+    is refused here, before any model loads."""
     cfg = parse(sys.argv[1:])
     initialize_ray(cfg)
-    ray.get(floe_skyrl_entrypoint.remote(cfg))
+    task = floe_skyrl_entrypoint
+    if not cfg.floe.url:
+        backend, hardware = embedded_backend(cfg)
+        check_cluster_gpus(hardware.gpus, "trainer.placement.policy_num_gpus_per_node", (
+            "SkyRL places the policy on GPUs; to train on the CPU add floe.backend.device=cpu"))
+        if needs_gpu_process(backend):
+            task = task.options(num_gpus=1)
+    ray.get(task.remote(cfg))
 
 
 if __name__ == "__main__":

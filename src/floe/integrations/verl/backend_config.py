@@ -33,8 +33,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from floe.config import deep_merge
 from floe.errors import InvalidInput
+from floe.integrations.hardware import with_overrides
 from floe.integrations.verl.hardware import VerlHardware, verl_hardware
 
 _BLOCK_KEYS = {"url", "token", "timeout_s", "backend"}
@@ -131,15 +131,4 @@ def floe_target(config: Mapping[str, Any]) -> FloeTarget:
         raise InvalidInput("actor_rollout_ref.model.path", "must name the model the floe backend trains")
     backend: dict[str, Any] = {"model": model, "optimizer": _optimizer((aro.get("actor") or {}).get("optim") or {}),
                                **hardware.backend}
-    if "model" in overrides:
-        raise InvalidInput("floe.backend.model", "comes from actor_rollout_ref.model.path; drop it")
-    # A different engine or placement kind in floe.backend replaces the recipe's table (its keys
-    # belong to the other kind); otherwise the override merges into what the recipe mapped to.
-    sampler = overrides.get("sampler")
-    engine = sampler.get("engine") if isinstance(sampler, Mapping) else None
-    if isinstance(engine, Mapping) and engine.get("name", hardware.engine) != hardware.engine:
-        backend["sampler"] = {}
-    placement = overrides.get("placement")
-    if isinstance(placement, Mapping) and placement.get("kind", backend["placement"]["kind"]) != backend["placement"]["kind"]:
-        backend["placement"] = {}
-    return FloeTarget(None, None, float(timeout), deep_merge(backend, dict(overrides)), hardware)
+    return FloeTarget(None, None, float(timeout), with_overrides(backend, overrides, "floe.backend"), hardware)

@@ -35,8 +35,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from floe.config import FLOAT16_REFUSED
 from floe.errors import InvalidInput
+from floe.integrations.hardware import floe_dtype, vllm_engine
 from floe.placement.gpus import GpuLayout, placement_for
 
 ARO = "actor_rollout_ref"
@@ -45,13 +45,8 @@ ACTOR = f"{ARO}.actor"
 REF = f"{ARO}.ref"
 MODEL = f"{ARO}.model"
 
-_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
-           "float16": "float16", "fp16": "float16", "half": "float16"}
 # verl rollout.name -> floe sampler engine
 ENGINES = {"vllm": "vllm", "floe": "torch"}
-# rollout keys floe's vLLM engine takes under the same name
-_VLLM_KEYS = ("gpu_memory_utilization", "enforce_eager", "max_num_seqs", "max_model_len", "enable_prefix_caching",
-              "max_num_batched_tokens")
 
 @dataclass(frozen=True)
 class VerlHardware:
@@ -81,12 +76,7 @@ def _int(cfg: Mapping[str, Any], dotted: str, default: int, low: int) -> int:
 
 
 def _dtype(cfg: Mapping[str, Any], dotted: str, default: str) -> str:
-    value = _get(cfg, dotted, default)
-    if value not in _DTYPES:
-        raise InvalidInput(dotted, f"unknown dtype {value!r}; floe trains in bfloat16 or float32")
-    if _DTYPES[value] == "float16":
-        raise InvalidInput(dotted, FLOAT16_REFUSED.replace('dtype = "bfloat16"', f"{dotted}=bfloat16"))
-    return _DTYPES[value]
+    return floe_dtype(_get(cfg, dotted, default), dotted)
 
 
 def _flag(cfg: Mapping[str, Any], dotted: str, default: bool) -> bool:
@@ -165,19 +155,12 @@ def verl_hardware(cfg: Mapping[str, Any], device: str | None = None) -> VerlHard
     switching = any(offload) or _flag(cfg, f"{ROLLOUT}.free_cache_engine", True)
     placement = placement_for(GpuLayout(gpus, switching))
 
-    sampler_engine: dict[str, Any] = {"name": engine}
     rollout_dtype = _dtype(cfg, f"{ROLLOUT}.dtype", "bfloat16")
-    if rollout_dtype != dtype:
-        sampler_engine["dtype"] = rollout_dtype
     if engine == "vllm":
-        for key in _VLLM_KEYS:
-            value = _get(cfg, f"{ROLLOUT}.{key}")
-            if value is not None:
-                sampler_engine[key] = value
-        if on_gpu:  # on the CPU floe's vLLM engine turns chunked prefill off (vllm_engine.py)
-            sampler_engine["enable_chunked_prefill"] = _flag(cfg, f"{ROLLOUT}.enable_chunked_prefill", True)
-        if placement["kind"] == "ray":  # the colocated sampler sleeps while the policy trains
-            sampler_engine["enable_sleep_mode"] = True
+        sampler_engine = vllm_engine(_get(cfg, ROLLOUT, {}), rollout_dtype, dtype, on_gpu, placement["kind"] == "ray",
+                                     _flag(cfg, f"{ROLLOUT}.enable_chunked_prefill", True))
+    else:
+        sampler_engine = {"name": engine, **({"dtype": rollout_dtype} if rollout_dtype != dtype else {})}
 
     compute: dict[str, Any] = {"gradient_checkpointing": _flag(cfg, f"{MODEL}.enable_gradient_checkpointing", True)}
     if _flag(cfg, f"{ACTOR}.use_dynamic_bsz", False):

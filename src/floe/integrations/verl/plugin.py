@@ -49,11 +49,13 @@ from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutRep
 import floe
 from floe.convert import RowLayout, verl_sequence_values, verl_to_batch
 from floe.errors import InvalidInput
+from floe.integrations.hardware import describe
 from floe.integrations.verl.backend_config import floe_target
 from floe.integrations.verl.local_server import LocalServer
 from floe.integrations.verl.loss_mapping import VerlLoss, verl_loss
 from floe.integrations.verl.rollout_mapping import floe_sampling_params
 from floe.integrations.verl.schedule import VerlSchedule
+from floe.placement.gpus import check_cluster_gpus, needs_gpu_process
 
 log = logging.getLogger("floe.integrations.verl")
 
@@ -62,18 +64,6 @@ STATE_MARKER = "floe_state.json"  # written into verl's actor checkpoint folder:
 
 def _connect(url: str, token: str | None, timeout_s: float) -> floe.Client:
     return floe.connect(url, token=token, timeout=timeout_s)
-
-
-def _check_gpus(gpus: int) -> None:
-    """InvalidInput("trainer.device") when the Ray cluster verl started has fewer GPUs than the
-    recipe asks for (verl's own processes, Ray actors without GPUs, cannot see them either)."""
-    if not gpus:
-        return
-    have = int(ray.cluster_resources().get("GPU", 0))
-    if have < gpus:
-        raise InvalidInput("trainer.device", f"cuda with trainer.n_gpus_per_node x trainer.nnodes = {gpus} GPUs, but the "
-                           f"Ray cluster has {have} (verl 0.9.1 sets trainer.device=cuda even on a machine without "
-                           "GPUs); to train on the CPU add +floe.backend.device=cpu, or lower trainer.n_gpus_per_node")
 
 
 @ray.remote
@@ -106,8 +96,7 @@ class _ServerOnGpu:
 def _start_server(backend: dict[str, Any]) -> Any:
     """The plugin's own `floe serve`: a child of this process, or, for a local placement on a GPU,
     of an actor that holds the GPU (a Ray placement's actors take their own GPUs)."""
-    local = (backend.get("placement") or {}).get("kind", "local") == "local"
-    if local and str(backend.get("device", "cpu")).startswith("cuda"):
+    if needs_gpu_process(backend):
         return _ServerOnGpu(backend)
     return LocalServer(backend)
 
@@ -315,7 +304,9 @@ class FloeTrainer(PPOTrainerSync):
             raise InvalidInput("distillation", "on-policy distillation is not supported by floe's verl plugin")
         target = floe_target(cfg)
         if target.url is None:  # a floe.url server has GPUs of its own
-            _check_gpus(target.hardware.gpus)
+            check_cluster_gpus(target.hardware.gpus, "trainer.device", (
+                "trainer.n_gpus_per_node x trainer.nnodes GPUs with trainer.device=cuda (verl 0.9.1 sets cuda even "
+                "on a machine without GPUs); to train on the CPU add +floe.backend.device=cpu"))
         # The rollout engine the recipe names (vllm) is floe's sampler engine now (hardware.py);
         # verl's replica for it is floe's.
         with open_dict(self.config):
@@ -331,10 +322,7 @@ class FloeTrainer(PPOTrainerSync):
         client = _connect(url, token, target.timeout_s)
         log.warning("floe backend at %s (%s)", url, "started by the plugin" if self.floe_server else "given")
         if target.backend is not None:
-            b = target.backend
-            log.warning("floe backend settings: device=%s dtype=%s engine=%s placement=%s gradient_checkpointing=%s",
-                        b["device"], b["dtype"], b["sampler"]["engine"]["name"], b["placement"]["kind"],
-                        b["compute"]["gradient_checkpointing"])
+            log.warning("%s", describe(target.backend))
         self.ref_in_actor = False
         schedule = VerlSchedule(cfg["actor_rollout_ref"]["actor"]["optim"])
         self.actor_rollout_wg = FloeWorkerGroup(client, self.floe_loss, schedule, url, token, target.timeout_s)
