@@ -294,6 +294,12 @@ class FloeTrainer(PPOTrainerSync):
         cfg = OmegaConf.to_container(self.config, resolve=True)
         assert isinstance(cfg, dict)
         self.floe_loss = verl_loss(cfg["actor_rollout_ref"]["actor"], cfg.get("algorithm"))
+        if cfg["algorithm"].get("adv_estimator") == "remax":
+            # verl 0.9.1's V1 trainer calls compute_remax_outcome_advantage without the greedy
+            # baseline rollout (only its legacy ray_trainer generates reward_baselines).
+            raise InvalidInput("algorithm.adv_estimator", "remax needs a greedy baseline rollout per prompt, which verl "
+                               "0.9.1's V1 trainer (the one trainer_mode=floe runs) does not generate; use grpo, rloo or "
+                               "reinforce_plus_plus, or verl's legacy trainer without floe")
         if self.use_critic:
             raise InvalidInput("algorithm.adv_estimator", "floe's verl plugin trains no critic; use a critic-free "
                                f"estimator such as grpo (got {cfg['algorithm'].get('adv_estimator')!r})")
