@@ -45,11 +45,9 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-def run_skyrl(assets: dict[str, Path], out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    """SkyRL's stock command line plus the override (and `extra` keys), under an outer timeout."""
-    cmd = [
-        sys.executable, "-m", "skyrl.train.entrypoints.main_base",
-        "trainer.override_entrypoint=floe.integrations.skyrl.entrypoint",
+def recipe_args(assets: dict[str, Path], out: Path) -> list[str]:
+    """A small GRPO recipe for SkyRL's main_base on this CPU machine (model, data, sizes, device)."""
+    return [
         "floe.import_modules=[tests.integrations.skyrl.shaped_env]",
         f"data.train_data=['{assets['train']}']", f"data.val_data=['{assets['val']}']",
         f"trainer.policy.model.path={assets['model']}",
@@ -69,11 +67,20 @@ def run_skyrl(assets: dict[str, Path], out: Path, *extra: str) -> subprocess.Com
         "generator.eval_sampling_params.max_generate_length=16",
         "generator.inference_engine.enable_ray_prometheus_stats=false",
         "environment.env_class=gsm8k_shaped", "environment.skyrl_gym.max_env_workers=1", "data.dataloader.num_workers=0",
-        *extra,
     ]
+
+
+def run_skyrl(assets: dict[str, Path], out: Path, *extra: str, args: list[str] | None = None,
+              timeout_s: int = RUN_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+    """SkyRL's command line (`args`, default `recipe_args`) plus the override (and `extra` keys),
+    under an outer timeout; its output also in `out`/run.log."""
+    cmd = [sys.executable, "-m", "skyrl.train.entrypoints.main_base",
+           "trainer.override_entrypoint=floe.integrations.skyrl.entrypoint",
+           *(recipe_args(assets, out) if args is None else args), *extra]
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "CUDA_VISIBLE_DEVICES": "", "WANDB_MODE": "disabled", "RAY_DEDUP_LOGS": "0"}
-    proc = subprocess.run(["timeout", str(RUN_TIMEOUT_S), *cmd], check=False, cwd=REPO, env=env, capture_output=True, text=True)
+    proc = subprocess.run(["timeout", str(timeout_s), *cmd], check=False, cwd=REPO, env=env, capture_output=True, text=True)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "run.log").write_text(proc.stdout + proc.stderr)
     return proc
 
