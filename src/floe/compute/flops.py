@@ -43,6 +43,7 @@ __all__ = [
     "forward_flops",
     "mfu",
     "peak_flops",
+    "throughput_metrics",
     "training_flops",
 ]
 
@@ -130,3 +131,22 @@ def mfu(flops: float, seconds: float, peak: float | None, devices: int) -> float
     if peak is None or peak <= 0 or seconds <= 0 or devices < 1:
         return None
     return flops / seconds / (peak * devices)
+
+
+def throughput_metrics(
+    shape: TransformerShape | None, seqlens: Sequence[int], seconds: float, peak: float | None, devices: int,
+    backward: bool,
+) -> dict[str, float]:
+    """What a `forward` (`backward` False) or `forward_backward` call reports about itself
+    (floe.types.THROUGHPUT_METRICS): `seconds`, `sequence_tokens` = Σ `seqlens`,
+    `tokens_per_second`, and, when `shape` is known, `model_flops` (training or forward FLOPs)
+    and, when `peak` is known too, `mfu`."""
+    tokens = float(sum(seqlens))
+    out = {"seconds": seconds, "sequence_tokens": tokens, "tokens_per_second": tokens / seconds if seconds > 0 else 0.0}
+    if shape is not None:
+        flops = training_flops(shape, seqlens) if backward else forward_flops(shape, seqlens)
+        out["model_flops"] = flops
+        utilisation = mfu(flops, seconds, peak, devices)
+        if utilisation is not None:
+            out["mfu"] = utilisation
+    return out
