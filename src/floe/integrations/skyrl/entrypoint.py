@@ -63,6 +63,9 @@ class FloeBlock(BaseConfig):
     """Embedded backend device, e.g. cpu or cuda."""
     num_threads: int | None = None
     """torch threads of the embedded backend; None keeps torch's default."""
+    peak_tflops: float | None = None
+    """Embedded backend's ``compute.peak_tflops``: one device's peak TFLOP/s, for ``floe/mfu``;
+    None: the GPU's datasheet bf16 peak under bfloat16, else unknown (no ``floe/mfu``)."""
     state_dir: str | None = None
     """Embedded backend state folder; default <trainer.ckpt_path>/floe_states."""
     import_modules: list[str] = field(default_factory=list)
@@ -118,6 +121,7 @@ def connect_floe(cfg: FloeSkyRLConfig) -> floe.Client:
         device=block.device,
         seed=trainer.seed,
         num_threads=block.num_threads,
+        compute=floe.ComputeConfig(peak_tflops=block.peak_tflops),
         state_dir=block.state_dir or str(Path(trainer.ckpt_path) / "floe_states"),
         optimizer=floe.OptimizerConfig(**map_optimizer(asdict(trainer.policy.optimizer_config), _total_optimizer_steps(cfg))),
         reference=floe.ReferenceConfig(enabled=bool(use_ref), checkpoint=ref_path if ref_path and ref_path != policy_path else None),
