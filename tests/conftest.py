@@ -32,6 +32,14 @@ def make_client(tiny_model: Path, tmp_path: Path):
         c.close()
 
 
+MEASURED = ("seconds", "tokens_per_second", "mfu")  # throughput metrics that vary with time (floe.types)
+
+
+def counted(metrics: dict[str, float]) -> dict[str, float]:
+    """A result's metrics without those measured in time: what two identical calls must agree on."""
+    return {k: v for k, v in metrics.items() if k not in MEASURED}
+
+
 def backend_of(client: floe.Client):
     """The live Backend behind an in-process client (tests inspect real state through it)."""
     return client.transport.backend

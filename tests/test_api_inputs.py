@@ -22,7 +22,7 @@ from floe.client.inputs import as_prompts
 from floe.rl import advantages as rl_advantages
 from floe.rl import rollouts
 from floe.rl.config import AdvantageConfig
-from tests.conftest import assert_same_state, backend_of, state_snapshot
+from tests.conftest import assert_same_state, backend_of, counted, state_snapshot
 from tests.protocol.surface import serve_in_thread
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,7 +138,7 @@ def test_forward_backward_takes_the_samples_temperature(make_client):
             assert max(abs(a - b) for a, b in zip(s.logprobs, fs)) < 1e-4
     other = make_client()
     explicit = other.forward_backward(batch, "ppo", temperature=0.7)
-    assert explicit.metrics == implicit.metrics and explicit.logprobs == implicit.logprobs
+    assert counted(explicit.metrics) == counted(implicit.metrics) and explicit.logprobs == implicit.logprobs
     # The same samples scored at temperature 1 (the old silent default) have ratios far from 1.
     unstated = floe.Batch([floe.Group(g.prompt, [floe.Sample(s.tokens, s.logprobs, s.advantage) for s in g.samples])
                            for g in batch.groups])

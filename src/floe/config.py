@@ -71,7 +71,8 @@ class OptimizerConfig(StrictModel):
 
 
 class ComputeConfig(StrictModel):
-    """How the policy and reference zones lay out work; none of it changes the numbers."""
+    """How the policy and reference zones lay out work; none of it changes the numbers (the peak
+    only scales the reported MFU)."""
 
     max_tokens_per_microbatch: int = Field(8192, gt=0)
     logprob_chunk_tokens: int = Field(
@@ -81,6 +82,10 @@ class ComputeConfig(StrictModel):
         "auto", description="compute each group's prompt once (shared-prefix attention)"
     )
     gradient_checkpointing: bool = False
+    peak_tflops: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="peak TFLOP/s of one policy device, for the `mfu` metric; None: the GPU's "
+        "datasheet bf16 peak (floe.compute.flops.PEAK_BF16_TFLOPS) under dtype bfloat16, else unknown (no mfu)"
+    )
 
 
 class TorchEngineConfig(StrictModel):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from floe.errors import InvalidInput
 
-__all__ = ["check_device"]
+__all__ = ["check_device", "device_name"]
 
 
 def check_device(device: str, field: str = "device", cpu_hint: str = "device='cpu'") -> None:
@@ -35,3 +35,15 @@ def check_device(device: str, field: str = "device", cpu_hint: str = "device='cp
             raise InvalidInput(field, f"{device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     elif not torch.backends.mps.is_available():
         raise InvalidInput(field, f"{device!r} is not available on this machine; use {cpu_hint}")
+
+
+def device_name(device: object) -> str:
+    """The hardware behind a torch device: torch.cuda.get_device_name for a CUDA device (e.g.
+    "NVIDIA H100 80GB HBM3"), else the device type ("cpu", "mps"); what the peak-FLOPs table of
+    floe.compute.flops is matched against."""
+    import torch  # noqa: PLC0415 - only called where torch is loaded already
+
+    dev = torch.device(device)  # type: ignore[arg-type]
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return dev.type

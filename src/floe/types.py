@@ -130,20 +130,36 @@ class SampleResult:
         return found.pop() if len(found) == 1 else None
 
 
+# The backend's measurement of a `forward` / `forward_backward` call, in both results' `metrics`
+# (docs/api.md, "Throughput metrics"; formula: floe.compute.flops):
+#   seconds           wall-clock seconds the backend computed (validation, lock waits, mode
+#                     switches and the transport to the caller excluded)
+#   sequence_tokens   Σ over samples of prompt + sample tokens (each sample with its prompt)
+#   tokens_per_second sequence_tokens / seconds
+#   model_flops       the call's model FLOPs (forward + backward for forward_backward, forward
+#                     alone for forward); absent for a model the formula does not cover
+#   mfu               model_flops / seconds / (peak FLOP/s × policy devices), a fraction; absent
+#                     when the peak is unknown (info().capabilities["peak_flops"] is None)
+THROUGHPUT_METRICS = ("seconds", "sequence_tokens", "tokens_per_second", "model_flops", "mfu")
+
+
 @dataclass
 class ForwardResult:
-    """Per-token log-probs (and entropies when asked), indexed [group][sample][token]."""
+    """Per-token log-probs (and entropies when asked), indexed [group][sample][token], and the
+    backend's measurement of the call in `metrics` (THROUGHPUT_METRICS)."""
 
     logprobs: list[list[list[float]]]
     entropy: list[list[list[float]]] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
 class ForwardBackwardResult:
     """Metrics of one `forward_backward` call plus the policy's log-probs of each token.
 
-    `loss_config` is the fully resolved loss configuration, defaults included, so a caller
-    can always see exactly what ran.
+    `metrics` holds the loss's metrics (loss, tokens, clip_fraction, ...; docs/losses.md) and
+    the backend's measurement of the call (THROUGHPUT_METRICS). `loss_config` is the fully
+    resolved loss configuration, defaults included, so a caller can always see exactly what ran.
     """
 
     metrics: dict[str, float]
@@ -189,7 +205,11 @@ class Info:
 
     `capabilities` keys: `losses`, `aggregations`, `kl_estimators` (lists of names from the loss
     registry), `sampler_engine` (the engine's name), `sampler_engine_start_seconds` (float),
-    `pending_forward_backward_calls` (int: calls whose gradients wait for optim_step).
+    `pending_forward_backward_calls` (int: calls whose gradients wait for optim_step),
+    `device_name` (the policy's hardware, floe.devices.device_name), `policy_devices` (int:
+    devices the policy computes on), `peak_flops` (FLOP/s of one of them, or None: unknown),
+    `peak_flops_source` ("compute.peak_tflops", "datasheet" or None), `model_flops` (bool:
+    whether floe.compute.flops covers the model, i.e. results report `model_flops`).
     """
 
     model: str  # the model path or hub id the policy was loaded from

@@ -110,6 +110,7 @@ def test_sample_request_and_json_ops_round_trip() -> None:
     ("sample", SampleResult([SampledGroup([1], [SampledSequence([3], [-0.5], "length", 0)])], 0, 1, 0.1)),  # unstated
     ("forward", ForwardResult([[[-0.5, -0.25], [-1.0]], [[-3.0]]], [[[1.0, 2.0], [0.5]], [[0.25]]])),
     ("forward", ForwardResult([[[-0.5]]])),
+    ("forward", ForwardResult([[[-0.5]]], None, {"seconds": 0.25, "sequence_tokens": 3.0, "tokens_per_second": 12.0})),
     ("forward_backward", ForwardBackwardResult({"loss": 0.1, "tokens": 3.0}, [[[-0.5, -0.1]]], "ppo", {"clip_low": 0.2, "kl": {"coef": 0.0}})),
     ("optim_step", OptimStepResult(3, 1e-5, 0.5, 2)),
     ("sync_weights", SyncResult(4, 1024, 0.01)),

@@ -9,7 +9,7 @@ import torch
 
 import floe
 from floe.grpo import batch_from_samples
-from floe.types import Batch, Group, Sample
+from floe.types import THROUGHPUT_METRICS, Batch, Group, Sample
 
 PROMPTS = [[8 + (3 * i + j) % 40 for j in range(3 + i % 4)] for i in range(6)]
 LOSS = {"clip_low": 0.2, "clip_high": 0.28, "kl": {"coef": 0.05, "estimator": "k3"}, "aggregation": "token_mean"}
@@ -27,6 +27,8 @@ class Record:
     grad_norms: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
+    # per step: (forward's, forward_backward's) throughput keys and counts (floe.types.THROUGHPUT_METRICS)
+    measured: list[tuple[Any, ...]] = field(default_factory=list)
 
 
 def grpo_step(backend: Any, step: int, record: Record) -> None:
@@ -50,6 +52,10 @@ def grpo_step(backend: Any, step: int, record: Record) -> None:
     record.losses.append(fb.metrics["loss"])
     record.grad_norms.append(st.grad_norm)
     record.steps.append(st.step)
+    counted = [(sorted(k for k in m if k in THROUGHPUT_METRICS), m["sequence_tokens"], m["model_flops"])
+               for m in (ref.metrics, fb.metrics)]
+    assert all(m["seconds"] > 0 for m in (ref.metrics, fb.metrics))
+    record.measured.append(tuple(counted))
 
 
 def weights(backend: Any) -> dict[str, torch.Tensor]:

@@ -24,6 +24,7 @@ def test_ray_matches_local_over_three_grpo_steps(ray_cluster, make_backend, sync
     assert len(info.capabilities["zones_memory"]["policy"]) == 2
     assert len(info.capabilities["zones_memory"]["sampler"]) == 2
     assert local.info().capabilities["placement"]["kind"] == "local"
+    assert info.capabilities["policy_devices"] == 2 and local.info().capabilities["policy_devices"] == 1  # MFU's denominator
 
     a, b = Record(), Record()
     for step in range(3):
@@ -32,6 +33,7 @@ def test_ray_matches_local_over_three_grpo_steps(ray_cluster, make_backend, sync
     assert a.tokens == b.tokens  # seeded samples: the split over 2 replicas changes no token
     assert a.versions == b.versions == [0, 1, 2]
     assert a.steps == b.steps == [1, 2, 3]
+    assert a.measured == b.measured  # the same counts and keys from the proxies as in process
     assert b.losses == pytest.approx(a.losses, abs=TOL)
     assert b.grad_norms == pytest.approx(a.grad_norms, abs=TOL)
     assert_close_weights(weights(local), weights(ray_backend), TOL)

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 import floe
 from floe import Group, Sample, SamplingParams
 from floe.protocol.errors import RemoteUnavailable
+from floe.types import THROUGHPUT_METRICS
 
 from .conftest import ServerProcess, free_port, write_config
 
@@ -25,7 +26,7 @@ PROMPTS = [[10, 11, 12, 13], [20, 21], [30, 31, 32]]
 def train(client: floe.Client, export: Path, steps: int = 2) -> dict:
     """Sample, score with the reference, PPO+KL step, sync; returns what must match. Odd
     steps run at a caller's learning rate (`optim_step(lr=...)`), even ones at the schedule's."""
-    out = {"tokens": [], "losses": [], "grad_norms": [], "versions": [], "lrs": []}
+    out = {"tokens": [], "losses": [], "grad_norms": [], "versions": [], "lrs": [], "measured": []}
     for step in range(steps):
         res = client.sample(PROMPTS, n=4, params=SamplingParams(max_tokens=6, temperature=0.9))
         batch = []
@@ -43,6 +44,12 @@ def train(client: floe.Client, export: Path, steps: int = 2) -> dict:
         out["lrs"].append(st.lr)
         out["tokens"].append([s.tokens for g in res.groups for s in g.samples])
         out["losses"].append(fb.metrics["loss"])
+        for m in (ref.metrics, fb.metrics):  # the backend's measurement of the call (THROUGHPUT_METRICS)
+            assert m["seconds"] > 0 and m["tokens_per_second"] == m["sequence_tokens"] / m["seconds"]
+        # What is measured differs run to run (time); what is counted must not.
+        out["measured"].append({"forward": (sorted(ref.metrics), ref.metrics["sequence_tokens"], ref.metrics["model_flops"]),
+                                "forward_backward": (sorted(k for k in fb.metrics if k in THROUGHPUT_METRICS),
+                                                     fb.metrics["sequence_tokens"], fb.metrics["model_flops"])})
         out["grad_norms"].append(st.grad_norm)
         out["versions"].append((st.step, sy.version, res.weights_version))
     client.export_hf(str(export))
@@ -64,6 +71,8 @@ def test_inprocess_and_http_agree(fresh_server: ServerProcess, server_model: Pat
         want = train(local, tmp_path / "local")
 
     assert got["tokens"] == want["tokens"]
+    assert got["measured"] == want["measured"]
+    assert want["measured"][0]["forward"][0] == ["model_flops", "seconds", "sequence_tokens", "tokens_per_second"]  # no peak on CPU: no mfu
     assert got["versions"] == want["versions"] == [(1, 1, 0), (2, 2, 1)]
     assert got["lrs"] == want["lrs"] == [floe.OptimizerConfig().lr, 3e-4]
     for a, b in zip(got["losses"] + got["grad_norms"], want["losses"] + want["grad_norms"]):

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoConfig
 
 from floe.atomic import atomic_directory
 from floe.backend.locks import ModeLock, SharedLock
@@ -52,6 +53,7 @@ from floe.backend.validation import (
     validate_batch,
     validate_prompts,
 )
+from floe.compute.flops import TransformerShape, peak_flops, throughput_metrics
 from floe.compute.losses import loss_capabilities, resolve_loss
 from floe.config import BackendConfig
 from floe.devices import check_device
@@ -125,6 +127,24 @@ class Backend:
         self._failed: WorkerFailed | None = None
         self._running = 0
         self._health = threading.Lock()
+        self._init_throughput()
+
+    def _init_throughput(self) -> None:
+        """What the throughput metrics need (floe.compute.flops): the model's shape (None for
+        an architecture the formula does not cover), the policy's device name, the peak FLOP/s
+        of one of its devices (None: unknown) and their number."""
+        self._shape = TransformerShape.from_config(
+            AutoConfig.from_pretrained(self.config.model, trust_remote_code=self.config.trust_remote_code))
+        weights = self.policy.describe()
+        self._device_name = weights.get("device_name", "unknown")
+        self._peak_flops = peak_flops(self._device_name, weights["dtype"], self.config.compute.peak_tflops)
+        self._peak_source = None if self._peak_flops is None else (
+            "compute.peak_tflops" if self.config.compute.peak_tflops is not None else "datasheet")
+        self._policy_devices = self.zones.policy_devices
+
+    def _measured(self, batch: Batch, seconds: float, backward: bool) -> dict[str, float]:
+        seqlens = [len(g.prompt) + len(s.tokens) for g in batch.groups for s in g.samples]
+        return throughput_metrics(self._shape, seqlens, seconds, self._peak_flops, self._policy_devices, backward)
 
     @contextmanager
     def _op(self, mode: str | None = None) -> Iterator[None]:
@@ -213,10 +233,16 @@ class Backend:
         with self._op("train"):
             if zone == "policy":
                 with self._policy_lock:
-                    return self.policy.forward(batch, temperature, with_entropy)
-            assert self.reference is not None
-            with self._reference_lock:
-                return self.reference.forward(batch, temperature, with_entropy)
+                    start = time.perf_counter()
+                    result = self.policy.forward(batch, temperature, with_entropy)
+            else:
+                assert self.reference is not None
+                with self._reference_lock:
+                    start = time.perf_counter()
+                    result = self.reference.forward(batch, temperature, with_entropy)
+            seconds = time.perf_counter() - start
+        result.metrics.update(self._measured(batch, seconds, backward=False))
+        return result
 
     def forward_backward(
         self,
@@ -233,7 +259,11 @@ class Backend:
         validate_batch(batch, self.vocab_size, self.max_context, spec)
         temperature = resolve_temperature(batch, temperature)
         with self._op("train"), self._policy_lock:
-            return self.policy.forward_backward(batch, spec, temperature)
+            start = time.perf_counter()
+            result = self.policy.forward_backward(batch, spec, temperature)
+            seconds = time.perf_counter() - start
+        result.metrics.update(self._measured(batch, seconds, backward=True))
+        return result
 
     def optim_step(self, lr: float | None = None) -> OptimStepResult:
         """Apply the accumulated gradients at `lr` (None: the configured schedule's rate);
@@ -369,6 +399,11 @@ class Backend:
                     "sampler_engine_start_seconds": self.zones.engine_start_seconds(),
                     "pending_forward_backward_calls": self.policy.pending_calls,
                     "placement": self.zones.describe(),
+                    "device_name": weights.get("device_name", "unknown"),
+                    "policy_devices": self._policy_devices,
+                    "peak_flops": self._peak_flops,
+                    "peak_flops_source": self._peak_source,
+                    "model_flops": self._shape is not None,
                     "zones_memory": self.zones.memory(),
                 },
             )

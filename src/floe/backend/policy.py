@@ -59,6 +59,7 @@ from floe.backend.weights import WeightsSnapshot, fingerprints
 from floe.compute.layout import MicroBatch
 from floe.compute.losses import LossSpec, TokenInputs, compute_loss, finalize_metrics
 from floe.config import FLOAT16_REFUSED, ComputeConfig, OptimizerConfig
+from floe.devices import device_name
 from floe.errors import InvalidInput, StateError
 from floe.types import Batch, ForwardBackwardResult, ForwardResult, OptimStepResult
 
@@ -345,7 +346,7 @@ class PolicyZone:
 
     def describe(self) -> dict[str, str]:
         p = next(self.model.parameters())
-        return {"dtype": str(p.dtype).removeprefix("torch."), "device": str(p.device)}
+        return {"dtype": str(p.dtype).removeprefix("torch."), "device": str(p.device), "device_name": device_name(p.device)}
 
     # -- own state --------------------------------------------------------------------------
 

@@ -69,6 +69,7 @@ from floe.backend.state import POLICY_RNG_FILE, TIED, policy_layout, read_policy
 from floe.compute.layout import GroupPart, MicroBatch
 from floe.compute.losses import LossSpec
 from floe.config import ComputeConfig, OptimizerConfig
+from floe.devices import device_name
 from floe.errors import StateError
 from floe.sampler.engine import is_finite
 from floe.types import Batch, ForwardResult, Group, OptimStepResult, Sample
@@ -293,6 +294,7 @@ class ShardedPolicyZone:
         return {
             "dtype": self.dtype,
             "device": "cpu (offloaded)" if self.offloaded else str(self.device),
+            "device_name": device_name(self.device),  # the device it computes on, offloaded or not
             "ranks": str(self.world_size),
         }
 

@@ -84,7 +84,8 @@ class PolicyWorker(Protocol):
         ...
 
     def describe(self) -> dict[str, str]:
-        """{"dtype": ..., "device": ...} of the weights."""
+        """{"dtype": ..., "device": ..., "device_name": ...} of the weights (device_name: the
+        hardware it computes on, floe.devices.device_name)."""
         ...
 
 

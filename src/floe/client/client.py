@@ -88,7 +88,8 @@ class Client:
             reports them.
         with_entropy: also return each position's entropy (nats).
         Returns ForwardResult: `logprobs[g][s][t]` = log p(tokens[t] | prompt, tokens[:t]) for
-        sample s of group g; `entropy` likewise, or None.
+        sample s of group g; `entropy` likewise, or None; `metrics`: the backend's measurement
+        of the call (seconds, sequence_tokens, tokens_per_second, model_flops, mfu; docs/api.md).
         """
         return self._call("forward", batch=batch, zone=zone, temperature=temperature, with_entropy=with_entropy)
 
@@ -111,7 +112,8 @@ class Client:
             InvalidInput naming its `temperature` and both values, so ratios are never
             computed against log-probs of another temperature.
         Gradients of successive calls add up until `optim_step`. Returns
-        ForwardBackwardResult: `metrics` (loss, tokens, clip fraction, KL, entropy, ...),
+        ForwardBackwardResult: `metrics` (loss, tokens, clip fraction, KL, entropy, ..., and the
+        backend's measurement: seconds, sequence_tokens, tokens_per_second, model_flops, mfu),
         the policy's `logprobs[g][s][t]`, the loss name and the fully resolved `loss_config`.
         """
         return self._call("forward_backward", batch=batch, loss=loss, loss_config=loss_config, temperature=temperature)

@@ -28,8 +28,9 @@ class Zones:
     "sample" (policy offloaded, sampler awake). Never called when not colocated.
     `describe()` is `info().capabilities["placement"]`; `memory()` says, per zone, where its
     weights are (`info().capabilities["zones_memory"]`); `engine_start_seconds()` how long the
-    sampler engine took to start (the slowest replica; None when unknown). `close()` releases every worker and
-    is idempotent."""
+    sampler engine took to start (the slowest replica; None when unknown). `policy_devices`: how many
+    devices the policy computes on (its ranks), the denominator of MFU. `close()` releases every
+    worker and is idempotent."""
 
     policy: PolicyWorker
     sampler: SamplerWorker
@@ -38,6 +39,7 @@ class Zones:
     vocab_size: int
     max_context: int
     colocated: bool = False
+    policy_devices: int = 1
     describe: Callable[[], dict[str, Any]] = field(default=lambda: {"kind": "local"})
     memory: Callable[[], dict[str, Any]] = field(default=dict)
     engine_start_seconds: Callable[[], float | None] = field(default=lambda: None)

@@ -332,12 +332,12 @@ def _encode_forward_result(r: ForwardResult, tensors: Tensors) -> dict[str, Any]
     _put_nested(tensors, "logprobs", r.logprobs)
     if r.entropy is not None:
         _put_lists(tensors, "entropy", [s for g in r.entropy for s in g], "float", lambda i: "result.entropy")
-    return {"entropy": r.entropy is not None}
+    return {"entropy": r.entropy is not None, "metrics": r.metrics}
 
 
 def _decode_forward_result(result: dict[str, Any], tensors: Tensors) -> ForwardResult:
     entropy = _get_nested(tensors, "entropy") if result.get("entropy") else None
-    return ForwardResult(_get_nested(tensors, "logprobs"), entropy)
+    return ForwardResult(_get_nested(tensors, "logprobs"), entropy, dict(result.get("metrics") or {}))
 
 
 def _encode_fb_result(r: ForwardBackwardResult, tensors: Tensors) -> dict[str, Any]:

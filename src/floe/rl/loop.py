@@ -321,6 +321,12 @@ class Trainer:
                 if vals:
                     record[key] = statistics.fmean(vals)
             record["tokens_trained"] = sum(m["tokens"] for m in train_metrics)
+            # The backend's own measurement of the step's forward_backward calls (docs/api.md).
+            seconds = sum(m["seconds"] for m in train_metrics)
+            record["time/forward_backward"] = seconds
+            record["tokens_per_second"] = sum(m["sequence_tokens"] for m in train_metrics) / seconds
+            if all("mfu" in m for m in train_metrics):  # the time-weighted mean = Σ model_flops / Σ seconds / peak
+                record["mfu"] = sum(m["mfu"] * m["seconds"] for m in train_metrics) / seconds
             record["grad_norm"] = statistics.fmean(s.grad_norm for s in step_results)
             record["lr"] = step_results[-1].lr
             record["policy_step"] = step_results[-1].step

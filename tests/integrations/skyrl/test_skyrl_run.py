@@ -22,7 +22,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from transformers import AutoConfig
 
+from floe.compute.flops import TransformerShape, training_flops
 from floe.models import make_tiny
 from tests.integrations.skyrl.assets import make_parquet, skyrl_rates
 from tests.server.conftest import ServerProcess, free_port, write_config
@@ -33,6 +35,7 @@ REPO = Path(__file__).resolve().parents[3]
 STEPS = 3
 TRAIN_BATCH, MINI_BATCH, N_SAMPLES = 4, 2, 2
 RUN_TIMEOUT_S = 900
+PEAK_TFLOPS = 0.05  # the embedded run's configured peak (the serve run has none)
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +88,34 @@ def run_skyrl(assets: dict[str, Path], out: Path, *extra: str, args: list[str] |
     return proc
 
 
-def check_run(proc: subprocess.CompletedProcess[str], out: Path, lrs: list[float] | None = None) -> dict[str, int]:
-    """`lrs`: when given, the rate of every optimizer step; each training step logs its last one."""
+def check_throughput(r: dict[str, float], model: Path, peak_tflops: float) -> None:
+    """floe's throughput of a training step (FloeDispatch.step_throughput), from its own logged
+    numbers: tokens/s = tokens / floe's measured seconds; the tokens are those SkyRL's own
+    trainer/tokens_per_second_per_gpu counts (× its timer); floe's model TFLOP/s lies between
+    the formula's values for the step's tokens spread evenly and packed into the longest
+    sequences; floe/mfu = TFLOP/s / peak on one device, absent when the peak is unknown."""
+    seconds, tokens = r["floe/train_seconds"], r["floe/train_tokens"]
+    assert 0 < seconds < r["timing/train_critic_and_policy"], r
+    assert r["floe/tokens_per_second"] == pytest.approx(tokens / seconds, rel=1e-12)
+    skyrl_tokens = r["trainer/tokens_per_second_per_gpu"] * r["timing/train_critic_and_policy"]  # 1 device
+    assert tokens == pytest.approx(skyrl_tokens, rel=1e-9), r
+    shape = TransformerShape.from_config(AutoConfig.from_pretrained(model))
+    assert shape is not None
+    n, longest = TRAIN_BATCH * N_SAMPLES, 192 + 16  # sequences per step; max_prompt_length + max_generate_length
+    even = training_flops(shape, [tokens / n] * n) / seconds / 1e12
+    packed = training_flops(shape, [longest] * int(tokens // longest) + [tokens % longest]) / seconds / 1e12
+    assert even * (1 - 1e-9) <= r["floe/model_tflops"] <= packed * (1 + 1e-9), (even, r["floe/model_tflops"], packed)
+    assert r["floe/peak_tflops"] == pytest.approx(peak_tflops, rel=1e-12)
+    if peak_tflops:
+        assert r["floe/mfu"] == pytest.approx(r["floe/model_tflops"] / peak_tflops, rel=1e-9) and r["floe/mfu"] > 0
+    else:
+        assert "floe/mfu" not in r
+
+
+def check_run(proc: subprocess.CompletedProcess[str], out: Path, model: Path, lrs: list[float] | None = None,
+              peak_tflops: float = 0.0) -> dict[str, int]:
+    """`lrs`: when given, the rate of every optimizer step; each training step logs its last one.
+    `peak_tflops`: the backend's configured peak (0: none, so no floe/mfu)."""
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     calls = json.loads((out / "export" / "floe_calls.json").read_text())
     mini_batches = STEPS * TRAIN_BATCH // MINI_BATCH
@@ -104,6 +133,7 @@ def check_run(proc: subprocess.CompletedProcess[str], out: Path, lrs: list[float
         assert r["reward/avg_raw_reward"] > 0, r  # the shaped reward reads the model's text
         assert r["policy/grad_norm"] > 0, r  # non-zero advantages reached the loss
         assert r["policy/final_loss"] != 0, r
+        check_throughput(r, model, peak_tflops)
     if lrs is not None:
         per_step = TRAIN_BATCH // MINI_BATCH
         assert [r["policy/policy_lr"] for r in train] == pytest.approx(lrs[per_step - 1 :: per_step], rel=1e-12, abs=0.0)
@@ -116,8 +146,9 @@ def check_run(proc: subprocess.CompletedProcess[str], out: Path, lrs: list[float
 def test_skyrl_main_base_with_embedded_floe(assets: dict[str, Path], tmp_path: Path) -> None:
     # SkyRL has no CPU mode: floe.backend.device=cpu; SkyRL's environment has no vLLM, so floe's
     # torch engine stands in for the recipe's (default) vllm backend.
-    proc = run_skyrl(assets, tmp_path, "floe.backend.device=cpu", "floe.backend.sampler.engine.name=torch")
-    check_run(proc, tmp_path)
+    proc = run_skyrl(assets, tmp_path, "floe.backend.device=cpu", "floe.backend.sampler.engine.name=torch",
+                     f"floe.backend.compute.peak_tflops={PEAK_TFLOPS}")
+    check_run(proc, tmp_path, assets["model"], peak_tflops=PEAK_TFLOPS)
     log = (tmp_path / "run.log").read_text()
     assert "floe backend settings: device=cpu dtype=float32 engine=torch placement=local" in log, log[-3000:]
 
@@ -142,7 +173,7 @@ def test_skyrl_main_base_against_floe_serve(assets: dict[str, Path], tmp_path: P
     try:
         schedule = ["trainer.policy.optimizer_config.scheduler=cosine", "trainer.policy.optimizer_config.num_warmup_steps=3"]
         proc = run_skyrl(assets, tmp_path, f"floe.url={server.url}", f"floe.token={token}", *schedule)
-        check_run(proc, tmp_path, lrs=skyrl_rates("cosine", lr=1e-3, warmup=3, total=STEPS * TRAIN_BATCH // MINI_BATCH))
+        check_run(proc, tmp_path, assets["model"], lrs=skyrl_rates("cosine", lr=1e-3, warmup=3, total=STEPS * TRAIN_BATCH // MINI_BATCH))
         assert server.alive()
         info = server.client().info()
         assert info.step == STEPS * TRAIN_BATCH // MINI_BATCH  # the server's policy took every optimizer step

@@ -10,6 +10,7 @@ that step, and `actor/lr` is the rate after it, as verl logs it. Runs in verl's 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -41,7 +42,37 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"root": root, "model": make_model(root / "tiny"), "train": train, "test": test}
 
 
-def check_run(run: Run) -> dict[str, float]:
+def check_throughput(step: int, m: dict[str, float], peak_tflops: float, model: Path) -> None:
+    """The actor's throughput metrics (floe.integrations.verl.throughput), from the step's own
+    logged numbers: tokens/s = tokens / floe's measured seconds; the tokens are the step's
+    sequences as verl counts them; verl's FlopsCounter TFLOP/s lies between its values for
+    the step's token total spread evenly and packed into the longest sequences; mfu = TFLOP/s /
+    peak on one device (0 when the peak is unknown, as verl logs an unknown device)."""
+    from transformers import AutoConfig  # noqa: PLC0415
+    from verl.utils.flops_counter import ESTIMATE_FUNC  # noqa: PLC0415
+
+    def tflops(seqlens: list[float]) -> float:  # FlopsCounter.estimate_flops(seqlens, seconds)[0], verl's own estimator
+        return ESTIMATE_FUNC["qwen3"](config, sum(seqlens), seqlens, seconds)
+
+    seconds, tokens = m["actor/floe/update_seconds"], m["actor/floe/update_tokens"]
+    assert 0 < seconds < m["timing_s/update_actor"], (step, m)
+    assert tokens == m["perf/total_num_tokens"], (step, m)  # one epoch: every sequence once
+    assert m["actor/floe/tokens_per_second"] == pytest.approx(tokens / seconds, rel=1e-5)
+    config = AutoConfig.from_pretrained(model)
+    longest = 192 + 16  # data.max_prompt_length + response_length
+    even = tflops([tokens / TRAIN_SEQUENCES] * TRAIN_SEQUENCES)
+    packed = tflops([longest] * int(tokens // longest) + [tokens % longest])
+    assert even * (1 - 1e-5) <= m["actor/floe/tflops"] <= packed * (1 + 1e-5), (step, even, m["actor/floe/tflops"], packed)
+    assert m["actor/floe/peak_tflops"] == peak_tflops
+    mfu = m["perf/mfu/actor"]
+    assert math.isfinite(mfu)
+    if peak_tflops:
+        assert mfu > 0 and mfu == pytest.approx(m["actor/floe/tflops"] / peak_tflops, rel=1e-5), (step, m)
+    else:
+        assert mfu == 0.0
+
+
+def check_run(run: Run, model: Path, peak_tflops: float = 0.0) -> dict[str, float]:
     """What every run must show; returns the last step's metrics."""
     assert run.returncode == 0, run.log[-6000:]
     assert sorted(run.steps) == list(range(STEPS + 1)), run.log[-3000:]  # step 0: validation before training
@@ -50,6 +81,7 @@ def check_run(run: Run) -> dict[str, float]:
         assert m["training/rollout_probs_diff_max"] < 1e-4, (step, m["training/rollout_probs_diff_max"])
         assert m["actor/grad_norm"] > 0, (step, m)
         assert m["training/off_policy/trajectory_staleness/max"] == 0  # versions echo verl's steps
+        check_throughput(step, m, peak_tflops, model)
     # A reward that reads the model's output: advantages are not all zero.
     assert any(run.steps[s]["critic/advantages/max"] > 0 or run.steps[s]["critic/advantages/min"] < 0
                for s in range(1, STEPS + 1))
@@ -65,18 +97,21 @@ def check_run(run: Run) -> dict[str, float]:
 
 
 SCHEDULE = {"lr_scheduler_type": "cosine", "lr_warmup_steps": 2, "min_lr_ratio": 0.1}
+PEAK_TFLOPS = 0.05
 
 
 def test_main_ppo_on_the_plugins_own_backend(assets):
     out = assets["root"] / "own"
     schedule = [f"actor_rollout_ref.actor.optim.{k}={v}" for k, v in SCHEDULE.items()]
     # The recipe keeps verl's rollout.name=vllm (the one-key switch); verl's environment has no
-    # vLLM, so floe's torch engine stands in for it.
+    # vLLM, so floe's torch engine stands in for it. A peak for the plugin's CPU backend, so
+    # perf/mfu/actor is a real ratio (the serve run has none: 0).
     run = run_main_ppo(grpo_recipe(assets["model"], assets["train"], assets["test"], out, save_freq=STEPS) + schedule
-                       + [ON_CPU, "+floe.backend.sampler.engine.name=torch"], assets["root"] / "own.log",
+                       + [ON_CPU, "+floe.backend.sampler.engine.name=torch",
+                          f"+floe.backend.compute.peak_tflops={PEAK_TFLOPS}"], assets["root"] / "own.log",
                        switch=VLLM_RECIPE_SWITCH)
     print(f"verl main_ppo on floe (own backend): {run.seconds:.0f} s")
-    check_run(run)
+    check_run(run, assets["model"], PEAK_TFLOPS)
     # verl's V1 sets total = steps x sync step (1); one rate more: the one actor/lr reports after the last step
     rates = verl_engine_rates({"lr": 1e-3, **SCHEDULE}, total=STEPS, steps=STEPS + 1)
     assert [run.steps[s]["actor/floe/applied_lr"] for s in range(1, STEPS + 1)] == pytest.approx(rates[:STEPS], rel=1e-9)
@@ -152,7 +187,7 @@ def test_main_ppo_against_floe_serve(assets):
             else:
                 os.environ["FLOE_TOKEN"] = old
         print(f"verl main_ppo on floe (floe serve): {run.seconds:.0f} s")
-        check_run(run)
+        check_run(run, assets["model"])
         assert f"floe backend at {url} (given)" in run.log
         # The server itself saw the work: its own request counters and versions.
         metrics = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=10).text

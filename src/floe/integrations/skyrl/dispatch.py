@@ -31,6 +31,7 @@ from skyrl.train.trainer import RayPPOTrainer
 
 import floe
 from floe.atomic import atomic_write_text
+from floe.compute.flops import mfu
 from floe.convert import skyrl_to_batch, skyrl_token_values
 from floe.errors import InvalidInput
 from floe.integrations.skyrl.inference import FloeInferenceClient
@@ -65,6 +66,8 @@ class FloeDispatch:
         self.dirty = False  # an optim_step since the last sync
         self.last_sync_seconds: float | None = None
         self.run_name = "skyrl"
+        self.capabilities = client.info().capabilities
+        self.measured: dict[str, float] = {}  # the training step's forward_backward measurements, summed
 
     # -- data parallel shape: one floe backend is one logical worker ------------------------------
     def get_lcm_dp_size(self) -> int:
@@ -124,6 +127,9 @@ class FloeDispatch:
         self.calls["forward_backward"] += 1
         res = self.client.forward_backward(layout.batch, loss=self.loss.loss, loss_config=self.loss.loss_config,
                                            temperature=self.loss.temperature)
+        for key in ("seconds", "sequence_tokens", "model_flops"):
+            if key in res.metrics:
+                self.measured[key] = self.measured.get(key, 0.0) + res.metrics[key]
         new_logprobs = skyrl_token_values(layout, res.logprobs, width)
         metrics: dict[str, Any] = {
             "final_loss": res.metrics["loss"],
@@ -150,6 +156,28 @@ class FloeDispatch:
         self.dirty = True
         self.trainer.all_metrics["policy/policy_lr"] = res.lr
         return res.grad_norm
+
+    def step_throughput(self) -> dict[str, float]:
+        """The training step's throughput from the backend's measurements of its forward_backward
+        calls (then cleared for the next step): `floe/train_seconds` (Σ seconds),
+        `floe/train_tokens` (Σ sequence tokens), `floe/tokens_per_second`, `floe/peak_tflops`
+        (one policy device; 0 = unknown) and, when the backend counts the model's FLOPs
+        (floe.compute.flops), `floe/model_tflops` (achieved, all devices) and, with a known
+        peak, `floe/mfu` = Σ model_flops / Σ seconds / (peak × policy devices)."""
+        measured, self.measured = self.measured, {}
+        seconds = measured.get("seconds", 0.0)
+        if seconds <= 0:
+            return {}
+        peak = self.capabilities.get("peak_flops")
+        out = {"floe/train_seconds": seconds, "floe/train_tokens": measured["sequence_tokens"],
+               "floe/tokens_per_second": measured["sequence_tokens"] / seconds,
+               "floe/peak_tflops": (peak or 0.0) / 1e12}
+        if "model_flops" in measured:
+            out["floe/model_tflops"] = measured["model_flops"] / seconds / 1e12
+            utilisation = mfu(measured["model_flops"], seconds, peak, int(self.capabilities["policy_devices"]))
+            if utilisation is not None:
+                out["floe/mfu"] = utilisation
+        return out
 
     def _scheduler_at(self, step: int) -> Any:
         """SkyRL's LR scheduler after `step` optimizer steps (where its own checkpoint would resume it)."""
@@ -257,6 +285,16 @@ class FloeRayPPOTrainer(RayPPOTrainer):
         total = optimizer_steps(self.cfg.trainer, self.total_training_steps)
         self.dispatch = FloeDispatch(self.cfg, client, loss, calls, self.inference_engine_client, self, total)  # type: ignore[assignment]
         self.dispatch.run_name = self.cfg.trainer.run_name or "skyrl"
+        # SkyRL's trainer/tokens_per_second_per_gpu divides by this: the devices floe's policy trains on.
+        self._num_training_gpus = int(self.dispatch.capabilities["policy_devices"])
+
+    def train_critic_and_policy(self, data: TrainingInputBatch) -> Any:
+        """SkyRL's training step, then floe's throughput of it into the step's metrics
+        (`FloeDispatch.step_throughput`)."""
+        self.dispatch.measured = {}  # type: ignore[attr-defined]
+        status = super().train_critic_and_policy(data)
+        self.all_metrics.update(self.dispatch.step_throughput())  # type: ignore[attr-defined]
+        return status
 
     def fwd_logprobs_values_reward(self, training_input: TrainingInputBatch) -> TrainingInputBatch:
         self.dispatch.response_mask = training_input["response_mask"]  # type: ignore[attr-defined]

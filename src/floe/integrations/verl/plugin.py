@@ -40,6 +40,7 @@ import torch
 import transfer_queue as tq
 from omegaconf import OmegaConf, open_dict
 from tensordict import TensorDict
+from transformers import AutoConfig
 from verl.experimental.reward_loop import RewardLoopManager
 from verl.trainer.ppo.v1 import PPOTrainerSync, register_trainer
 from verl.utils import tensordict_utils as tu
@@ -55,6 +56,7 @@ from floe.integrations.verl.local_server import LocalServer
 from floe.integrations.verl.loss_mapping import VerlLoss, verl_loss
 from floe.integrations.verl.rollout_mapping import floe_sampling_params
 from floe.integrations.verl.schedule import VerlSchedule
+from floe.integrations.verl.throughput import ActorThroughput
 from floe.placement.gpus import check_cluster_gpus, needs_gpu_process
 
 log = logging.getLogger("floe.integrations.verl")
@@ -123,10 +125,11 @@ class FloeWorkerGroup:
     """
 
     def __init__(self, client: floe.Client, loss: VerlLoss, schedule: VerlSchedule, url: str, token: str | None,
-                 timeout_s: float):
+                 timeout_s: float, throughput: ActorThroughput):
         self.client = client
         self.loss = loss
         self.schedule = schedule
+        self.throughput = throughput
         self.url, self.token, self.timeout_s = url, token, timeout_s
         self._dispatch_info = {"actor": [0]}
         self.world_size = 1
@@ -174,7 +177,9 @@ class FloeWorkerGroup:
         own iterator), each one floe forward_backward + optim_step at verl's scheduled rate for
         this step; then verl's scheduler advances once (schedule.py), and `lr` reports the new
         rate as verl's engine does (`floe/applied_lr`, logged as actor/floe/applied_lr: the rate the
-        steps ran at)."""
+        steps ran at). `mfu` (perf/mfu/actor) is verl's FlopsCounter over the step's sequences and
+        the backend's measured seconds of its forward_backward calls, with tokens/s beside it
+        (throughput.py)."""
         info = batch.extra_info
         extra = ["response_mask", "old_log_probs", "advantages"]
         if self.loss.needs_ref_logprobs:
@@ -190,6 +195,8 @@ class FloeWorkerGroup:
                                     seed=info.get("seed", 42), dataloader_kwargs=dict(info.get("dataloader_kwargs") or {}))
         temperature = float(info.get("temperature", 1.0))
         metrics: dict[str, list[float]] = defaultdict(list)
+        seqlens: list[int] = []
+        seconds = tokens = 0.0
         for part in iterator:
             rows = part["row"].tolist()
             layout = verl_to_batch(
@@ -203,6 +210,9 @@ class FloeWorkerGroup:
             step = self.client.optim_step(lr=self.schedule.lr)
             self.calls["forward_backward"] += 1
             self.calls["optim_step"] += 1
+            seqlens += [len(g.prompt) + len(smp.tokens) for g in layout.batch.groups for smp in g.samples]
+            seconds += fb.metrics["seconds"]
+            tokens += fb.metrics["sequence_tokens"]
             metrics["pg_loss"].append(fb.metrics["loss"])
             metrics["pg_clipfrac"].append(fb.metrics.get("clip_fraction", 0.0))
             metrics["grad_norm"].append(step.grad_norm)
@@ -212,7 +222,9 @@ class FloeWorkerGroup:
                     metrics[f"floe/{key}"].append(fb.metrics[key])
         if metrics["floe/applied_lr"]:
             metrics["lr"] = [self.schedule.step()]
-        metrics["mfu"] = [0.0]  # verl's trainer pops actor/mfu; floe does not estimate it
+        metrics.update(self.throughput.metrics(seqlens, seconds, tokens))
+        if "mfu" not in metrics:  # no update ran: verl's trainer pops actor/mfu all the same
+            metrics["mfu"] = [0.0]
         return {"metrics": dict(metrics)}
 
     def save_checkpoint(self, local_path: str, hdfs_path: str | None = None, global_step: int = 0,
@@ -331,7 +343,12 @@ class FloeTrainer(PPOTrainerSync):
             log.warning("%s", describe(target.backend))
         self.ref_in_actor = False
         schedule = VerlSchedule(cfg["actor_rollout_ref"]["actor"]["optim"])
-        self.actor_rollout_wg = FloeWorkerGroup(client, self.floe_loss, schedule, url, token, target.timeout_s)
+        model = cfg["actor_rollout_ref"]["model"]
+        capabilities = client.info().capabilities
+        self.floe_policy_devices = int(capabilities.get("policy_devices", 1))
+        throughput = ActorThroughput(AutoConfig.from_pretrained(model["path"], trust_remote_code=bool(
+            model.get("trust_remote_code", False))), capabilities)
+        self.actor_rollout_wg = FloeWorkerGroup(client, self.floe_loss, schedule, url, token, target.timeout_s, throughput)
         # verl makes world_size // (rollout tp * dp * pp) replicas: one, on the floe backend.
         rollout = cfg["actor_rollout_ref"]["rollout"]
         self.actor_rollout_wg.world_size = (rollout["tensor_model_parallel_size"] * rollout["data_parallel_size"]
@@ -346,7 +363,8 @@ class FloeTrainer(PPOTrainerSync):
         self._load_checkpoint()
 
     def _get_n_gpus_for_throughput(self) -> int:
-        return 1
+        """perf/throughput's divisor: the devices floe's policy trains on (info().capabilities)."""
+        return self.floe_policy_devices
 
     def on_sample_end(self) -> None:
         return None

@@ -168,7 +168,7 @@ def build_ray(config: BackendConfig, tokenizer: PreTrainedTokenizerBase) -> Any:
     return Zones(
         policy=policy, sampler=sampler, reference=reference, weight_sync=weight_sync,
         vocab_size=int(shape["vocab_size"]), max_context=int(shape["max_context"]), colocated=placement.colocate,
-        describe=describe, memory=memory, engine_start_seconds=start_seconds, switch_mode=modes.switch, _close=close,
+        policy_devices=len(policy_actors), describe=describe, memory=memory, engine_start_seconds=start_seconds, switch_mode=modes.switch, _close=close,
     )
 
 
