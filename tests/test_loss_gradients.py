@@ -375,3 +375,47 @@ def test_metrics_report_clipping_and_ratios(client):
     for g_res, g_fwd in zip(res.logprobs, fwd.logprobs):
         for a, b in zip(g_res, g_fwd):
             assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < 1e-5
+
+
+@pytest.mark.parametrize("loss", ["clip_cov", "kl_cov"])
+def test_batch_statistic_travels_with_data_parallel_shares(client, loss):
+    """The data-parallel path without the ranks: the driver's pre-pass statistics
+    (`batch_token_stats`) split with the shares (`split_batch`), each share run through the
+    ranks' micro-batch loop (`accumulate_microbatches`) with its global scales and statistics,
+    the shares' gradients summed: the same gradients as one process (the ranks sum theirs)."""
+    from floe.backend.data_parallel import split_batch  # noqa: PLC0415
+    from floe.backend.policy import accumulate_microbatches, batch_token_stats, score_flat  # noqa: PLC0415
+    from floe.backend.scoring import plan_batch, uses_prefix_dedup  # noqa: PLC0415
+    from floe.compute.losses import resolve_loss  # noqa: PLC0415
+
+    backend = backend_of(client)
+    policy = backend.policy
+    batch = make_batch(backend.vocab_size, seed=42)
+    cfg = dict(LOSSES[loss], aggregation="seq_mean_token_mean")
+    torch.manual_seed(SEED)
+    one = client.forward_backward(batch, loss, cfg, temperature=TEMPERATURE)
+    expected = take_grads(backend)
+
+    spec = resolve_loss(loss, cfg)
+    device = torch.device("cpu")
+    torch.manual_seed(SEED)
+    stats = batch_token_stats(batch, spec, policy.forward(batch, TEMPERATURE, False).logprobs, device)
+    assert stats is not None and any(v for s in stats for v in s)  # some token is selected
+    shares = split_batch(batch, 2, spec, stats)
+    assert all(share.batch is not None and share.stats is not None for share in shares)
+    clipped = 0.0
+    for share in shares:
+        sub = share.batch
+        assert sub is not None
+        plan = plan_batch(sub, policy.compute, uses_prefix_dedup(policy.model, policy.compute), policy.model)
+
+        def score(mb, sub=sub):
+            return score_flat(policy.model, sub, mb, TEMPERATURE, True, policy.compute)
+
+        _, sums = accumulate_microbatches(score, sub, plan, share.scales, spec, device, share.stats)
+        clipped += sum(p["clipped_tokens"] for p in sums)
+    got = take_grads(backend)
+    assert rel_err(got, expected) < 1e-5
+    assert math.isclose(clipped, one.metrics["clip_fraction"] * one.metrics["tokens"])
+    with pytest.raises(ValueError, match="batch statistics"):  # the statistic is never silently left out
+        accumulate_microbatches(score, sub, plan, share.scales, spec, device, None)
