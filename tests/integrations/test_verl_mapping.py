@@ -158,6 +158,28 @@ def test_every_verl_loss_mode_maps_with_its_keys(make_client, policy_loss, chang
     assert result.loss == loss and all(result.loss_config[k] == v for k, v in expect.items())
 
 
+@pytest.mark.parametrize(("correction", "loss", "expect"), [
+    ({"bypass_mode": True, "loss_type": "ppo_clip", "rollout_is": "token"}, "ppo", {"dual_clip": 3.0}),
+    ({"bypass_mode": True, "loss_type": "reinforce", "rollout_is": "token", "rollout_is_threshold": "3.0"}, "cispo",
+     {"clip_low": 1.0, "clip_high": 2.0}),
+    ({"bypass_mode": True, "loss_type": "reinforce", "rollout_is": None}, "dro", {"beta": 0.0}),
+])
+def test_bypass_mode_from_the_algorithm_block(correction, loss, expect):
+    """algorithm.rollout_correction.bypass_mode=true: verl's trainer sets old = rollout log-probs
+    and runs loss_mode=bypass_mode with this block (rollout_corr_helper.apply_bypass_mode)."""
+    mapped = verl_loss(actor(), {"rollout_correction": correction})
+    assert mapped.loss == loss and {k: mapped.loss_config[k] for k in expect} == expect
+
+
+def test_bypass_mode_refusals_name_the_algorithm_block():
+    with pytest.raises(floe.InvalidInput) as info:
+        verl_loss(actor(), {"rollout_correction": {"bypass_mode": True, "rollout_rs": "seq_mean_k1"}})
+    assert info.value.field == "algorithm.rollout_correction.rollout_rs"
+    with pytest.raises(floe.InvalidInput) as info:
+        verl_loss(actor(), {"rollout_correction": {"bypass_mode": True, "loss_type": "reinforce", "rollout_is": "sequence"}})
+    assert info.value.field == "algorithm.rollout_correction.rollout_is"
+
+
 def test_every_registered_verl_loss_mode_is_mapped():
     from floe.integrations.verl.loss_mapping import LOSS_MODES as MAPPED  # noqa: PLC0415
     assert {p["loss_mode"] for p, *_ in LOSS_MODES} == set(MAPPED)

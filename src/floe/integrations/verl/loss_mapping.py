@@ -51,8 +51,10 @@ clip_cov draws its random subset with torch.randperm on the policy process's def
 as verl does on its own. The per-sequence means of gspo and geo_mean never cross samples, and
 floe never splits a sample, so they are exact for any micro-batching.
 
-algorithm.rollout_correction.rollout_is / rollout_rs (importance weights and rejection of
-rollout tokens) are refused; ppo_epochs, ppo_mini_batch_size and shuffle are honoured by the
+algorithm.rollout_correction.bypass_mode = true is bypass_mode with that block (verl's trainer
+copies it into policy_loss and sets old_log_probs = rollout_log_probs). Otherwise
+algorithm.rollout_correction.rollout_is / rollout_rs (decoupled importance weights and rejection
+of rollout tokens) are refused; ppo_epochs, ppo_mini_batch_size and shuffle are honoured by the
 plugin's update loop (verl's own mini-batch iterator).
 """
 
@@ -162,7 +164,13 @@ def verl_loss(actor: Mapping[str, Any], algorithm: Mapping[str, Any] | None = No
         raise InvalidInput(f"{ACTOR}.ppo_epochs", f"must be an integer >= 1, got {epochs!r}")
 
     correction = (algorithm or {}).get("rollout_correction") or {}
-    for key in ("rollout_is", "rollout_rs"):
+    bypass = bool(correction.get("bypass_mode", False))
+    if bypass:
+        # verl's trainer (apply_bypass_mode) then sets old_log_probs = rollout_log_probs, copies
+        # algorithm.rollout_correction into policy_loss.rollout_correction and runs loss_mode=bypass_mode.
+        mode = "bypass_mode"
+        policy_loss = {**policy_loss, "loss_mode": mode, "rollout_correction": correction}
+    for key in () if bypass else ("rollout_is", "rollout_rs"):
         if correction.get(key) is not None:
             raise InvalidInput(f"{ALGORITHM}.rollout_correction.{key}",
                                f"rollout importance weights / rejection are not supported by floe's verl plugin; "
@@ -241,7 +249,10 @@ def _policy_loss(
             raise InvalidInput(f"{ACTOR}.policy_loss.ppo_kl_coef", f"must be >= 0, got {coef!r}")
         return "kl_cov", {"kl_cov_ratio": ratio, "ppo_kl_coef": coef}
     assert mode == "bypass_mode"
-    return _bypass_mode(policy_loss.get("rollout_correction"), clips, clip_c)
+    from_algorithm = policy_loss.get("rollout_correction") is not None and bool(
+        policy_loss["rollout_correction"].get("bypass_mode", False))
+    return _bypass_mode(policy_loss.get("rollout_correction"), clips, clip_c,
+                        f"{ALGORITHM}.rollout_correction" if from_algorithm else RC)
 
 
 RC = f"{ACTOR}.policy_loss.rollout_correction"
@@ -249,35 +260,39 @@ RC_REFUSED = "is rollout correction (importance weights / rejection computed aga
              "floe's verl plugin does not run"
 
 
-def _bypass_mode(rc: Mapping[str, Any] | None, clips: dict[str, float], clip_c: float | None) -> tuple[str, dict[str, Any]]:
+def _bypass_mode(
+    rc: Mapping[str, Any] | None, clips: dict[str, float], clip_c: float | None, where: str = RC
+) -> tuple[str, dict[str, Any]]:
     """verl's bypass_mode (old log-probs = the rollout's): the cases that are a registry loss
-    on those log-probs; everything that needs rejection or batch-level IS weights is refused."""
+    on those log-probs; everything that needs rejection or batch-level IS weights is refused.
+    `where`: the verl key of `rc` (policy_loss.rollout_correction, or algorithm.rollout_correction
+    with bypass_mode=true, which verl copies there)."""
     if rc is None:
         raise InvalidInput(RC, "loss_mode=bypass_mode needs policy_loss.rollout_correction (verl raises without it)")
     if rc.get("rollout_rs") is not None:
-        raise InvalidInput(f"{RC}.rollout_rs", f"rejection sampling {RC_REFUSED}; set it to null")
+        raise InvalidInput(f"{where}.rollout_rs", f"rejection sampling {RC_REFUSED}; set it to null")
     loss_type = rc.get("loss_type", "ppo_clip")
     if loss_type == "ppo_clip":  # verl computes the IS weights for its metrics only
         if clip_c is None or clip_c <= 1:
             raise InvalidInput(f"{ACTOR}.clip_ratio_c", f"must be > 1 (verl's dual-clip bound), got {clip_c!r}")
         return "ppo", {**clips, "dual_clip": clip_c}
     if loss_type != "reinforce":
-        raise InvalidInput(f"{RC}.loss_type", f"must be ppo_clip or reinforce (as in verl), got {loss_type!r}")
+        raise InvalidInput(f"{where}.loss_type", f"must be ppo_clip or reinforce (as in verl), got {loss_type!r}")
     rollout_is = rc.get("rollout_is", "sequence")  # verl's RolloutCorrectionConfig default
     threshold = rc.get("rollout_is_threshold", 2.0)
     if rollout_is is None or threshold is None:
         return "dro", {"beta": 0.0}  # REINFORCE: -A·logp
     if rollout_is != "token":
-        raise InvalidInput(f"{RC}.rollout_is", f"{rollout_is!r} importance weights {RC_REFUSED}; floe maps 'token' or null")
+        raise InvalidInput(f"{where}.rollout_is", f"{rollout_is!r} importance weights {RC_REFUSED}; floe maps 'token' or null")
     if rc.get("rollout_is_batch_normalize", False):
-        raise InvalidInput(f"{RC}.rollout_is_batch_normalize", f"batch-normalised weights {RC_REFUSED}; set it to false")
+        raise InvalidInput(f"{where}.rollout_is_batch_normalize", f"batch-normalised weights {RC_REFUSED}; set it to false")
     try:
         cap = float(threshold)
     except (TypeError, ValueError):
-        raise InvalidInput(f"{RC}.rollout_is_threshold",
+        raise InvalidInput(f"{where}.rollout_is_threshold",
                            f"a lower_upper threshold (IcePop) {RC_REFUSED}; give one float >= 1") from None
     if isinstance(threshold, bool) or not math.isfinite(cap) or cap < 1:
-        raise InvalidInput(f"{RC}.rollout_is_threshold", f"must be a float >= 1 (the truncation of the weight), got {threshold!r}")
+        raise InvalidInput(f"{where}.rollout_is_threshold", f"must be a float >= 1 (the truncation of the weight), got {threshold!r}")
     # -sg(min(r, C))·A·logp: cispo with the ratio clipped to [0, C].
     return "cispo", {"clip_low": 1.0, "clip_high": cap - 1.0}
 
