@@ -157,7 +157,9 @@ class GeoMeanConfig(LossConfig):
 
 class ClipCovConfig(ClippedConfig):
     """PPO (no dual clip) where a random share of the tokens whose covariance of advantage and
-    log-prob lies in (clip_cov_lb, clip_cov_ub) are dropped (Cui et al. 2025, Clip-Cov)."""
+    log-prob lies in (clip_cov_lb, clip_cov_ub) are dropped: Clip-Cov of "The Entropy Mechanism
+    of Reinforcement Learning for Reasoning Language Models" (2025; code
+    github.com/PRIME-RL/Entropy-Mechanism-of-RL, which verl and SkyRL adapt)."""
 
     clip_cov_ratio: float = Field(2e-4, gt=0, le=1, description="share of the call's tokens to drop")
     clip_cov_lb: float = Field(1.0, description="covariance lower bound (exclusive)")
@@ -166,7 +168,7 @@ class ClipCovConfig(ClippedConfig):
 
 class KLCovConfig(LossConfig):
     """-r*A, plus ppo_kl_coef*|logp - old| on the top kl_cov_ratio share of the call's tokens by
-    covariance of advantage and log-prob (Cui et al. 2025, KL-Cov)."""
+    covariance of advantage and log-prob (the same paper's KL-Cov)."""
 
     kl_cov_ratio: float = Field(2e-4, gt=0, le=1, description="share of the call's tokens that get the KL term")
     ppo_kl_coef: float = Field(1.0, ge=0)
@@ -354,7 +356,7 @@ def _sapo(cfg: LossConfig, x: TokenInputs) -> TokenLoss:
 
 
 def dppo_valid(cfg: DPPOConfig, logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
-    """DPPO's binary trust-region mask [T] (bool, no gradient), Qi et al. 2026 (arXiv 2602.04879),
+    """DPPO's binary trust-region mask [T] (bool, no gradient; DPPO, arXiv 2602.04879),
     as verl's compute_policy_loss_dppo_tv / _dppo_kl and SkyRL's dppo_policy_loss compute it.
     p = exp(logp), q = exp(old). binary_tv: A > 0 keeps p − q <= delta_high, A <= 0 keeps
     p − q >= −delta_low. binary_kl with D = q·(old − logp) + (1 − q)·log((1 − q + 1e-8)/(1 − p + 1e-8)):
