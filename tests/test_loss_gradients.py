@@ -24,7 +24,22 @@ LOSSES = {
     "ppo": {"clip_low": 0.1, "clip_high": 0.15, "dual_clip": 2.0},
     "cispo": {"clip_low": 0.1, "clip_high": 0.1},
     "gspo": {"clip_low": 0.02, "clip_high": 0.03},
+    "sapo": {"tau_pos": 1.0, "tau_neg": 1.05},
+    "dppo": {"divergence": "binary_tv", "delta_low": 0.002, "delta_high": 0.002},
+    "geo_mean": {"clip_low": 0.1, "clip_high": 0.15},
+    "clip_cov": {"clip_low": 0.1, "clip_high": 0.15, "clip_cov_ratio": 0.2, "clip_cov_lb": 0.0, "clip_cov_ub": 5.0},
+    "kl_cov": {"kl_cov_ratio": 0.3, "ppo_kl_coef": 0.5},
 }
+# Variants of the new losses' keys, checked with one aggregation each.
+VARIANTS = [
+    ("dppo", {"divergence": "binary_kl", "delta_low": 0.0005, "delta_high": 0.0005}),
+    ("dppo", {"divergence": "binary_tv", "delta_low": 0.002, "delta_high": 0.002, "surrogate": "log_prob", "ratio_cap": 1.05}),
+    ("dppo", {"divergence": "binary_kl", "delta_low": 0.0005, "delta_high": 0.0005, "surrogate": "log_prob"}),
+    ("cispo", {"clip_low": 0.1, "clip_high": 0.1, "out_of_range": "zero"}),
+    ("gspo", {"clip_low": 0.02, "clip_high": 0.03, "ratio_gradient": "token", "log_ratio_cap": 0.05}),
+    ("sapo", {"tau_pos": 2.0, "tau_neg": 0.5}),
+]
+SEED = 1234  # torch's generator before each clip_cov call (it draws the dropped tokens)
 AGGREGATIONS = ["sum", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 TEMPERATURE = 0.9
 
@@ -66,19 +81,68 @@ def naive_token_logprobs(model, prompt: list[int], tokens: list[int], temperatur
     return out, ent
 
 
+def _advantages(s: floe.Sample) -> list[float]:
+    return s.advantage if isinstance(s.advantage, list) else [s.advantage] * len(s.tokens)
+
+
+def naive_selection(name: str, cfg: dict, samples, scored) -> set[tuple[int, int]]:
+    """(sample, token) pairs clip_cov drops / kl_cov penalises, over every token of the batch:
+    covariance (A − mean A)(logp − mean logp) over the tokens with w != 0, in batch order."""
+    valid = [(i, t) for i, (_, s) in enumerate(samples) for t in range(len(s.tokens)) if (s.weights or [1.0] * 99)[t] != 0]
+    adv = {(i, t): _advantages(samples[i][1])[t] for i, t in valid}
+    lp = {(i, t): float(scored[i][0][t].detach()) for i, t in valid}
+    mean_a, mean_l = sum(adv.values()) / len(valid), sum(lp.values()) / len(valid)
+    cov = {k: (adv[k] - mean_a) * (lp[k] - mean_l) for k in valid}
+    if name == "kl_cov":
+        k = max(1, int(len(valid) * cfg["kl_cov_ratio"]))
+        return set(sorted(valid, key=lambda key: -cov[key])[:k])
+    lo, hi = 1 - cfg["clip_low"], 1 + cfg["clip_high"]
+    candidates = []
+    for i, t in valid:
+        r = math.exp(lp[(i, t)] - samples[i][1].logprobs[t])
+        by_clip = -adv[(i, t)] * min(max(r, lo), hi) > -adv[(i, t)] * r
+        if not by_clip and cfg["clip_cov_lb"] < cov[(i, t)] < cfg["clip_cov_ub"]:
+            candidates.append((i, t))
+    count = max(int(cfg["clip_cov_ratio"] * len(valid)), 1)
+    torch.manual_seed(SEED)
+    return {candidates[j] for j in torch.randperm(len(candidates))[:count].tolist()} if candidates else set()
+
+
+def dppo_keeps(cfg: dict, lp: float, old: float, A: float) -> bool:
+    p, q = math.exp(lp), math.exp(old)
+    lo, hi = cfg.get("delta_low", 0.2), cfg.get("delta_high", 0.2)
+    if cfg.get("divergence", "binary_tv") == "binary_tv":
+        return p - q <= hi if A > 0 else p - q >= -lo
+    d = q * (old - lp) + (1 - q) * math.log((1 - q + 1e-8) / (1 - p + 1e-8))
+    return (d <= hi or p <= q) if A > 0 else (d <= lo or p >= q)
+
+
 def naive_loss(model, batch: floe.Batch, name: str, cfg: dict, aggregation: str, kl, ent_coef, norm_length=None):
     samples = [(g.prompt, s) for g in batch.groups for s in g.samples]
     per_sample_sums, per_sample_wsum, lengths = [], [], []
     lo, hi = 1 - cfg.get("clip_low", 0.2), 1 + cfg.get("clip_high", 0.2)
-    for prompt, s in samples:
-        logps, ents = naive_token_logprobs(model, prompt, s.tokens, TEMPERATURE)
+    scored = [naive_token_logprobs(model, prompt, s.tokens, TEMPERATURE) for prompt, s in samples]
+    selected = naive_selection(name, cfg, samples, scored) if name in ("clip_cov", "kl_cov") else set()
+    for index, (prompt, s) in enumerate(samples):
+        logps, ents = scored[index]
         n = len(s.tokens)
         w = s.weights or [1.0] * n
-        adv = s.advantage if isinstance(s.advantage, list) else [s.advantage] * n
+        adv = _advantages(s)
         if name == "gspo":
             active = [t for t in range(n) if w[t] != 0]
             log_s = sum(logps[t] - s.logprobs[t] for t in active) / len(active)
-            seq_ratio = torch.exp(log_s)
+        if name == "geo_mean":
+            active = [t for t in range(n) if w[t] != 0]
+            kept = []
+            for t in active:
+                d = logps[t] - s.logprobs[t]
+                if adv[t] > 0:
+                    kept.append(d.clamp(max=cfg["clip_high"]))
+                elif adv[t] < 0:
+                    kept.append(d.clamp(min=-cfg["clip_low"]))
+                else:
+                    kept.append(d * 0.0)
+            geo = -sum(adv[t] for t in active) / len(active) * torch.exp(sum(kept) / len(active))
         total = 0.0
         for t in range(n):
             lp = logps[t]
@@ -93,13 +157,34 @@ def naive_loss(model, batch: floe.Batch, name: str, cfg: dict, aggregation: str,
                     loss = -torch.minimum(r * A, r.clamp(lo, hi) * A)
                     if A < 0:
                         loss = torch.minimum(loss, torch.tensor(-cfg["dual_clip"] * A))
+                elif name == "cispo" and cfg.get("out_of_range") == "zero":
+                    loss = -(r.detach() if lo < float(r) < hi else 0.0) * A * lp
                 elif name == "cispo":
                     loss = -r.clamp(lo, hi).detach() * A * lp
                 elif name == "gspo":
-                    ratio = seq_ratio
+                    log_st = log_s
                     if cfg.get("ratio_gradient") == "token":  # GSPO-token: s's value, the token's own gradient
-                        ratio = torch.exp(log_s.detach() + lp - lp.detach())
+                        log_st = log_s.detach() + lp - lp.detach()
+                    if cfg.get("log_ratio_cap") is not None:
+                        log_st = log_st.clamp(max=cfg["log_ratio_cap"])
+                    ratio = torch.exp(log_st)
                     loss = -torch.minimum(ratio * A, ratio.clamp(lo, hi) * A)
+                elif name == "sapo":
+                    tau = cfg["tau_pos"] if A > 0 else cfg["tau_neg"]
+                    loss = -torch.sigmoid(tau * (r - 1)) * 4 / tau * A
+                elif name == "dppo":
+                    keep = dppo_keeps(cfg, float(lp.detach()), s.logprobs[t], A)
+                    if cfg.get("surrogate", "ratio") == "ratio":
+                        loss = -r * A * keep
+                    else:
+                        weight = r.detach() if cfg.get("ratio_cap") is None else r.detach().clamp(max=cfg["ratio_cap"])
+                        loss = -A * weight * lp * keep
+                elif name == "geo_mean":
+                    loss = geo
+                elif name == "clip_cov":
+                    loss = -torch.minimum(r * A, r.clamp(lo, hi) * A) * (0.0 if (index, t) in selected else 1.0)
+                elif name == "kl_cov":
+                    loss = -A * r + (cfg["ppo_kl_coef"] * (lp - s.logprobs[t]).abs() if (index, t) in selected else 0.0)
             if kl:
                 d = lp - s.ref_logprobs[t]
                 k = {"k1": d, "k2": 0.5 * d * d, "k3": torch.exp(-d) + d - 1}[kl[1]]
@@ -172,11 +257,51 @@ def test_gradients_match_naive_reference(client, loss, aggregation):
                 s.advantage = None
     cfg = dict(LOSSES[loss], aggregation=aggregation)
     expected, expected_loss = reference_grads(model, params, batch, loss, LOSSES[loss], aggregation, None, 0.0)
+    torch.manual_seed(SEED)
     result = client.forward_backward(batch, loss, cfg, temperature=TEMPERATURE)
     got = take_grads(backend)
     assert rel_err(got, expected) < 1e-5
     assert math.isclose(result.metrics["loss"], expected_loss, rel_tol=1e-5, abs_tol=1e-6)
     assert result.loss_config["aggregation"] == aggregation
+    if loss in ("dppo", "clip_cov", "kl_cov", "geo_mean"):
+        assert 0 < result.metrics["clip_fraction"] < 1  # masks / selections / clips really bite
+
+
+@pytest.mark.parametrize(("loss", "cfg"), VARIANTS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(VARIANTS)])
+def test_loss_variants_match_naive_reference(client, loss, cfg):
+    """The keys of the framework losses (dppo's divergences and surrogates, cispo's zero outside
+    the range, gspo's log-ratio cap, sapo's temperatures) against the same naive reference."""
+    backend = backend_of(client)
+    model, params = backend.policy.model, backend.policy.params
+    batch = make_batch(backend.vocab_size, seed=zlib.crc32(f"{loss}:{cfg}".encode()) % 1000)
+    expected, expected_loss = reference_grads(model, params, batch, loss, cfg, "token_mean", None, 0.0)
+    result = client.forward_backward(batch, loss, cfg, temperature=TEMPERATURE)
+    got = take_grads(backend)
+    assert rel_err(got, expected) < 1e-5
+    assert math.isclose(result.metrics["loss"], expected_loss, rel_tol=1e-5, abs_tol=1e-6)
+    if loss != "sapo":
+        assert 0 < result.metrics["clip_fraction"] < 1
+
+
+@pytest.mark.parametrize("loss", ["clip_cov", "kl_cov"])
+def test_batch_statistic_does_not_depend_on_micro_batching(client, tiny_model, tmp_path, loss):
+    """clip_cov / kl_cov select tokens over the whole call: one micro-batch per sample and one
+    micro-batch for everything give the same loss and gradients."""
+    backend = backend_of(client)
+    batch = make_batch(backend.vocab_size, seed=99)
+    cfg = dict(LOSSES[loss], aggregation="token_mean")
+    torch.manual_seed(SEED)
+    split = client.forward_backward(batch, loss, cfg, temperature=TEMPERATURE)
+    split_grads = take_grads(backend)
+    whole_cfg = floe.BackendConfig(model=str(tiny_model), state_dir=str(tmp_path / "s"),
+                                   compute=floe.ComputeConfig(max_tokens_per_microbatch=4096))
+    with floe.connect(whole_cfg) as whole:
+        torch.manual_seed(SEED)
+        one = whole.forward_backward(batch, loss, cfg, temperature=TEMPERATURE)
+        one_grads = take_grads(backend_of(whole))
+    assert rel_err(split_grads, one_grads) < 1e-5
+    assert math.isclose(split.metrics["loss"], one.metrics["loss"], rel_tol=1e-5)
+    assert split.metrics["clip_fraction"] == one.metrics["clip_fraction"] > 0
 
 
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
@@ -250,3 +375,47 @@ def test_metrics_report_clipping_and_ratios(client):
     for g_res, g_fwd in zip(res.logprobs, fwd.logprobs):
         for a, b in zip(g_res, g_fwd):
             assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < 1e-5
+
+
+@pytest.mark.parametrize("loss", ["clip_cov", "kl_cov"])
+def test_batch_statistic_travels_with_data_parallel_shares(client, loss):
+    """The data-parallel path without the ranks: the driver's pre-pass statistics
+    (`batch_token_stats`) split with the shares (`split_batch`), each share run through the
+    ranks' micro-batch loop (`accumulate_microbatches`) with its global scales and statistics,
+    the shares' gradients summed: the same gradients as one process (the ranks sum theirs)."""
+    from floe.backend.data_parallel import split_batch  # noqa: PLC0415
+    from floe.backend.policy import accumulate_microbatches, batch_token_stats, score_flat  # noqa: PLC0415
+    from floe.backend.scoring import plan_batch, uses_prefix_dedup  # noqa: PLC0415
+    from floe.compute.losses import resolve_loss  # noqa: PLC0415
+
+    backend = backend_of(client)
+    policy = backend.policy
+    batch = make_batch(backend.vocab_size, seed=42)
+    cfg = dict(LOSSES[loss], aggregation="seq_mean_token_mean")
+    torch.manual_seed(SEED)
+    one = client.forward_backward(batch, loss, cfg, temperature=TEMPERATURE)
+    expected = take_grads(backend)
+
+    spec = resolve_loss(loss, cfg)
+    device = torch.device("cpu")
+    torch.manual_seed(SEED)
+    stats = batch_token_stats(batch, spec, policy.forward(batch, TEMPERATURE, False).logprobs, device)
+    assert stats is not None and any(v for s in stats for v in s)  # some token is selected
+    shares = split_batch(batch, 2, spec, stats)
+    assert all(share.batch is not None and share.stats is not None for share in shares)
+    clipped = 0.0
+    for share in shares:
+        sub = share.batch
+        assert sub is not None
+        plan = plan_batch(sub, policy.compute, uses_prefix_dedup(policy.model, policy.compute), policy.model)
+
+        def score(mb, sub=sub):
+            return score_flat(policy.model, sub, mb, TEMPERATURE, True, policy.compute)
+
+        _, sums = accumulate_microbatches(score, sub, plan, share.scales, spec, device, share.stats)
+        clipped += sum(p["clipped_tokens"] for p in sums)
+    got = take_grads(backend)
+    assert rel_err(got, expected) < 1e-5
+    assert math.isclose(clipped, one.metrics["clip_fraction"] * one.metrics["tokens"])
+    with pytest.raises(ValueError, match="batch statistics"):  # the statistic is never silently left out
+        accumulate_microbatches(score, sub, plan, share.scales, spec, device, None)

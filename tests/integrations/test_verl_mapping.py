@@ -68,7 +68,30 @@ def test_clips_entropy_and_the_clip_ratio_fallback():
 @pytest.mark.parametrize(
     ("changes", "algorithm", "field"),
     [
-        ({"policy_loss": {"loss_mode": "gspo"}}, None, "actor_rollout_ref.actor.policy_loss.loss_mode"),
+        ({"policy_loss": {"loss_mode": "reinforce"}}, None, "actor_rollout_ref.actor.policy_loss.loss_mode"),
+        ({"policy_loss": {"loss_mode": "dro"}}, None, "actor_rollout_ref.actor.policy_loss.dro_beta"),
+        ({"policy_loss": {"loss_mode": "dro", "dro_beta": 0.0}}, None, "actor_rollout_ref.actor.policy_loss.dro_beta"),
+        ({"policy_loss": {"loss_mode": "clip_cov", "clip_cov_ratio": 0.0}}, None,
+         "actor_rollout_ref.actor.policy_loss.clip_cov_ratio"),
+        ({"policy_loss": {"loss_mode": "kl_cov", "kl_cov_ratio": 2.0}}, None, "actor_rollout_ref.actor.policy_loss.kl_cov_ratio"),
+        ({"policy_loss": {"loss_mode": "kl_cov", "ppo_kl_coef": "x"}}, None, "actor_rollout_ref.actor.policy_loss.ppo_kl_coef"),
+        ({"policy_loss": {"loss_mode": "sapo"}, "tau_neg": 0.0}, None, "actor_rollout_ref.actor.tau_neg"),
+        ({"policy_loss": {"loss_mode": "sapo"}, "use_kl_loss": True}, None, "actor_rollout_ref.actor.loss_agg_mode"),
+        ({"policy_loss": {"loss_mode": "geo_mean"}, "entropy_coeff": 0.01}, None, "actor_rollout_ref.actor.loss_agg_mode"),
+        ({"policy_loss": {"loss_mode": "dppo_tv"}, "clip_ratio_c": 0.0}, None, "actor_rollout_ref.actor.clip_ratio_c"),
+        ({"policy_loss": {"loss_mode": "bypass_mode"}}, None, "actor_rollout_ref.actor.policy_loss.rollout_correction"),
+        ({"policy_loss": {"loss_mode": "bypass_mode", "rollout_correction": {"rollout_rs": "token_k1"}}}, None,
+         "actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_rs"),
+        ({"policy_loss": {"loss_mode": "bypass_mode", "rollout_correction": {"loss_type": "reinforce"}}}, None,
+         "actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_is"),  # verl's default: sequence IS
+        ({"policy_loss": {"loss_mode": "bypass_mode", "rollout_correction": {
+            "loss_type": "reinforce", "rollout_is": "token", "rollout_is_batch_normalize": True}}}, None,
+         "actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_is_batch_normalize"),
+        ({"policy_loss": {"loss_mode": "bypass_mode", "rollout_correction": {
+            "loss_type": "reinforce", "rollout_is": "token", "rollout_is_threshold": "0.5_2.0"}}}, None,
+         "actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_is_threshold"),
+        ({"policy_loss": {"loss_mode": "bypass_mode", "rollout_correction": {"loss_type": "dpo"}}}, None,
+         "actor_rollout_ref.actor.policy_loss.rollout_correction.loss_type"),
         ({"loss_agg_mode": "token-median"}, None, "actor_rollout_ref.actor.loss_agg_mode"),
         ({"use_kl_loss": True, "kl_loss_type": "abs"}, None, "actor_rollout_ref.actor.kl_loss_type"),
         ({"use_kl_loss": True, "kl_loss_type": "low_var_kl+"}, None, "actor_rollout_ref.actor.kl_loss_type"),
@@ -86,6 +109,80 @@ def test_what_floe_cannot_honour_is_refused_by_its_verl_key(changes, algorithm, 
     with pytest.raises(floe.InvalidInput) as info:
         verl_loss(actor(**changes), algorithm)
     assert info.value.field == field
+
+
+# verl 0.9.1 defaults (PolicyLossConfig, ActorConfig) for each loss_mode, as floe's loss and keys.
+LOSS_MODES = [
+    ({"loss_mode": "dppo_tv"}, {}, "dppo", {"divergence": "binary_tv", "delta_low": 0.2, "delta_high": 0.2,
+                                            "surrogate": "log_prob", "ratio_cap": 3.0}),
+    ({"loss_mode": "dppo_kl"}, {"clip_ratio_low": 0.01, "clip_ratio_high": 0.02, "clip_ratio_c": 20.0}, "dppo",
+     {"divergence": "binary_kl", "delta_low": 0.01, "delta_high": 0.02, "surrogate": "log_prob", "ratio_cap": 20.0}),
+    ({"loss_mode": "gspo"}, {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}, "gspo",
+     {"clip_low": 3e-4, "clip_high": 4e-4, "ratio_gradient": "token", "log_ratio_cap": 10.0}),
+    ({"loss_mode": "sapo"}, {"tau_pos": 1.0, "tau_neg": 1.05}, "sapo",
+     {"tau_pos": 1.0, "tau_neg": 1.05, "aggregation": "seq_mean_token_mean"}),
+    ({"loss_mode": "sapo"}, {"loss_agg_mode": "seq-mean-token-mean", "use_kl_loss": True}, "sapo",
+     {"tau_pos": 1.0, "tau_neg": 1.05, "aggregation": "seq_mean_token_mean"}),
+    ({"loss_mode": "gpg"}, {"loss_agg_mode": "token-sum"}, "dro", {"beta": 0.0, "aggregation": "sum"}),
+    ({"loss_mode": "clip_cov"}, {}, "clip_cov",
+     {"clip_low": 0.2, "clip_high": 0.2, "clip_cov_ratio": 0.0002, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0}),
+    ({"loss_mode": "clip_cov", "clip_cov_ratio": 0.01, "clip_cov_lb": -1.0, "clip_cov_ub": 2.0}, {}, "clip_cov",
+     {"clip_cov_ratio": 0.01, "clip_cov_lb": -1.0, "clip_cov_ub": 2.0}),
+    ({"loss_mode": "kl_cov"}, {}, "kl_cov", {"kl_cov_ratio": 0.0002, "ppo_kl_coef": 0.1}),
+    ({"loss_mode": "kl_cov", "kl_cov_ratio": 0.01, "ppo_kl_coef": None}, {}, "kl_cov", {"kl_cov_ratio": 0.01, "ppo_kl_coef": 1.0}),
+    ({"loss_mode": "geo_mean"}, {"loss_agg_mode": "token-sum"}, "geo_mean",
+     {"clip_low": 0.2, "clip_high": 0.2, "aggregation": "seq_mean_token_mean"}),
+    ({"loss_mode": "dro", "dro_beta": 0.05}, {}, "dro", {"beta": 0.05}),
+    ({"loss_mode": "cispo"}, {}, "cispo", {"clip_low": 0.2, "clip_high": 0.2}),
+    ({"loss_mode": "vanilla"}, {}, "ppo", {"clip_low": 0.2, "clip_high": 0.2, "dual_clip": 3.0}),
+    ({"loss_mode": "bypass_mode", "rollout_correction": {"loss_type": "ppo_clip", "rollout_is": "sequence"}}, {}, "ppo",
+     {"clip_low": 0.2, "clip_high": 0.2, "dual_clip": 3.0}),
+    ({"loss_mode": "bypass_mode", "rollout_correction": {"loss_type": "reinforce", "rollout_is": None}}, {}, "dro",
+     {"beta": 0.0}),
+    ({"loss_mode": "bypass_mode", "rollout_correction": {"loss_type": "reinforce", "rollout_is": "token",
+                                                         "rollout_is_threshold": 2.0}}, {}, "cispo",
+     {"clip_low": 1.0, "clip_high": 1.0}),
+]
+
+
+@pytest.mark.parametrize(("policy_loss", "changes", "loss", "expect"), LOSS_MODES,
+                         ids=[f"{p['loss_mode']}-{i}" for i, (p, *_) in enumerate(LOSS_MODES)])
+def test_every_verl_loss_mode_maps_with_its_keys(make_client, policy_loss, changes, loss, expect):
+    mapped = verl_loss(actor(policy_loss=policy_loss, **changes))
+    assert mapped.loss == loss
+    assert {k: mapped.loss_config[k] for k in expect} == expect
+    client = make_client()
+    group = floe.Group([3, 4, 5], [floe.Sample([6, 7], logprobs=[-2.0, -2.1], advantage=[0.5, 0.5],
+                                               ref_logprobs=[-2.2, -2.0], weights=[1.0, 1.0])])
+    result = client.forward_backward([group], mapped.loss, mapped.loss_config)
+    assert result.loss == loss and all(result.loss_config[k] == v for k, v in expect.items())
+
+
+@pytest.mark.parametrize(("correction", "loss", "expect"), [
+    ({"bypass_mode": True, "loss_type": "ppo_clip", "rollout_is": "token"}, "ppo", {"dual_clip": 3.0}),
+    ({"bypass_mode": True, "loss_type": "reinforce", "rollout_is": "token", "rollout_is_threshold": "3.0"}, "cispo",
+     {"clip_low": 1.0, "clip_high": 2.0}),
+    ({"bypass_mode": True, "loss_type": "reinforce", "rollout_is": None}, "dro", {"beta": 0.0}),
+])
+def test_bypass_mode_from_the_algorithm_block(correction, loss, expect):
+    """algorithm.rollout_correction.bypass_mode=true: verl's trainer sets old = rollout log-probs
+    and runs loss_mode=bypass_mode with this block (rollout_corr_helper.apply_bypass_mode)."""
+    mapped = verl_loss(actor(), {"rollout_correction": correction})
+    assert mapped.loss == loss and {k: mapped.loss_config[k] for k in expect} == expect
+
+
+def test_bypass_mode_refusals_name_the_algorithm_block():
+    with pytest.raises(floe.InvalidInput) as info:
+        verl_loss(actor(), {"rollout_correction": {"bypass_mode": True, "rollout_rs": "seq_mean_k1"}})
+    assert info.value.field == "algorithm.rollout_correction.rollout_rs"
+    with pytest.raises(floe.InvalidInput) as info:
+        verl_loss(actor(), {"rollout_correction": {"bypass_mode": True, "loss_type": "reinforce", "rollout_is": "sequence"}})
+    assert info.value.field == "algorithm.rollout_correction.rollout_is"
+
+
+def test_every_registered_verl_loss_mode_is_mapped():
+    from floe.integrations.verl.loss_mapping import LOSS_MODES as MAPPED  # noqa: PLC0415
+    assert {p["loss_mode"] for p, *_ in LOSS_MODES} == set(MAPPED)
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",

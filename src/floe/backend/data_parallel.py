@@ -35,11 +35,14 @@ class RankShare:
 
     `batch`: its groups in batch order (None when it got none); `group_indices[k]`: the
     position in the full batch of `batch.groups[k]`; `scales`: one aggregation scale per sample
-    of its groups, in order, computed over the whole batch (empty for `forward`)."""
+    of its groups, in order, computed over the whole batch (empty for `forward`); `stats`: for a
+    loss with a batch statistic (clip_cov, kl_cov), its per-token values for each sample of its
+    groups, in order, computed over the whole batch (`policy.batch_token_stats`), else None."""
 
     batch: Batch | None
     group_indices: list[int] = field(default_factory=list)
     scales: list[float] = field(default_factory=list)
+    stats: list[list[float]] | None = None
 
 
 @dataclass
@@ -65,11 +68,14 @@ def _group_tokens(batch: Batch, index: int) -> int:
     return len(group.prompt) + sum(len(s.tokens) for s in group.samples)
 
 
-def split_batch(batch: Batch, world_size: int, spec: LossSpec | None) -> list[RankShare]:
+def split_batch(
+    batch: Batch, world_size: int, spec: LossSpec | None, stats: list[list[float]] | None = None
+) -> list[RankShare]:
     """`world_size` shares of `batch` (groups whole, balanced by tokens, see the module doc).
 
     With `spec` (forward_backward) each share carries its samples' global aggregation scales;
-    with None (forward) the scales are empty. ValueError for world_size < 1."""
+    with None (forward) the scales are empty. `stats` (one list per sample of `batch`, the
+    loss's batch statistic) are split the same way. ValueError for world_size < 1."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     scales = batch_scales(batch, spec) if spec is not None else None
@@ -87,8 +93,9 @@ def split_batch(batch: Batch, world_size: int, spec: LossSpec | None) -> list[Ra
     for indices in assigned:
         indices.sort()
         share_scales = [] if scales is None else [scales[k] for i in indices for k in range(first[i], first[i + 1])]
+        share_stats = None if stats is None else [stats[k] for i in indices for k in range(first[i], first[i + 1])]
         sub = Batch([batch.groups[i] for i in indices]) if indices else None
-        shares.append(RankShare(sub, indices, share_scales))
+        shares.append(RankShare(sub, indices, share_scales, share_stats))
     return shares
 
 

@@ -57,7 +57,7 @@ from floe.backend.state import (
 )
 from floe.backend.weights import WeightsSnapshot, fingerprints
 from floe.compute.layout import MicroBatch
-from floe.compute.losses import LossSpec, TokenInputs, compute_loss, finalize_metrics
+from floe.compute.losses import LossSpec, TokenInputs, batch_statistic, compute_loss, finalize_metrics
 from floe.config import FLOAT16_REFUSED, ComputeConfig, OptimizerConfig
 from floe.devices import device_name
 from floe.errors import InvalidInput, StateError
@@ -128,13 +128,18 @@ def accumulate_microbatches(
     scales: list[float],
     spec: LossSpec,
     device: torch.device,
+    stats: list[list[float]] | None = None,
 ) -> tuple[list[list[list[float]]], list[dict[str, float]]]:
     """Loss and backward per micro-batch of `plan`; the policy log-probs [group][sample][token]
     of `batch` and the micro-batches' metric sums (for `finalize_metrics`).
 
     `score(mb)` gives the micro-batch's log-probs and entropies with autograd (`score_flat`);
     `scales[k]` is the aggregation scale of the k-th sample of `batch` (`batch_scales`, or the
-    global scales a data-parallel share carries). Gradients add into the parameters' .grad."""
+    global scales a data-parallel share carries); `stats[k]` the loss's batch statistic for
+    each token of that sample (`batch_token_stats` over the whole call; required exactly when
+    the loss has one). Gradients add into the parameters' .grad."""
+    if (stats is None) != (spec.definition.batch_statistic is None):
+        raise ValueError(f"loss {spec.name!r}: batch statistics must be given exactly when the loss has one")
     first_of_group = [0]
     for g in batch.groups:
         first_of_group.append(first_of_group[-1] + len(g.samples))
@@ -148,12 +153,34 @@ def accumulate_microbatches(
         sample_logps = torch.split(logp, lens)
         mb_scales = [scales[first_of_group[g] + i] for g, i in mb_samples]
         inputs = _token_inputs(batch, mb_samples, mb_scales, logp, entropy, spec, device)
+        if stats is not None:
+            inputs.batch_stat = torch.tensor([v for g, i in mb_samples for v in stats[first_of_group[g] + i]],
+                                             dtype=logp.dtype, device=device)
         loss, sums = compute_loss(spec, inputs)
         loss.backward()
         parts_metrics.append(sums)
         for (gi, si), lp in zip(mb_samples, sample_logps):
             logprobs[gi][si] = lp.detach().tolist()
     return logprobs, parts_metrics
+
+
+def batch_token_stats(
+    batch: Batch, spec: LossSpec, logprobs: list[list[list[float]]], device: torch.device
+) -> list[list[float]] | None:
+    """The loss's batch statistic (`LossDef.batch_statistic`) for every token of `batch`, one
+    list per sample in group, then sample order, from the policy log-probs `logprobs`
+    [group][sample][token] of a no-grad pre-pass over the whole call; None when the loss has
+    none. Computed once per forward_backward, so it is global over the call whatever the
+    micro-batching (or data-parallel split) that follows."""
+    if spec.definition.batch_statistic is None:
+        return None
+    samples = [(g, i) for g, group in enumerate(batch.groups) for i in range(len(group.samples))]
+    lens = [len(batch.groups[g].samples[i].tokens) for g, i in samples]
+    logp = torch.tensor([v for g, i in samples for v in logprobs[g][i]], dtype=torch.float32, device=device)
+    inputs = _token_inputs(batch, samples, [1.0] * len(samples), logp, torch.zeros_like(logp), spec, device)
+    stat = batch_statistic(spec, inputs)
+    assert stat is not None
+    return [part.tolist() for part in torch.split(stat, lens)]
 
 
 NONFINITE_STEP = (
@@ -310,7 +337,10 @@ class PolicyZone:
         def score(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
             return score_flat(self.model, batch, mb, temperature, True, self.compute)
 
-        return accumulate_microbatches(score, batch, plan, batch_scales(batch, spec), spec, device)
+        stats = None
+        if spec.definition.batch_statistic is not None:  # a no-grad pre-pass over the whole call
+            stats = batch_token_stats(batch, spec, self.forward(batch, temperature, False).logprobs, device)
+        return accumulate_microbatches(score, batch, plan, batch_scales(batch, spec), spec, device, stats)
 
     def discard_gradients(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -195,7 +195,8 @@ class ShardedPolicyZone:
                 def score(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
                     return self.scorer(batch, mb, temperature, True, self.compute)
 
-                logprobs, sums = accumulate_microbatches(score, batch, plan, share.scales, spec, self.device)
+                logprobs, sums = accumulate_microbatches(score, batch, plan, share.scales, spec, self.device,
+                                                       share.stats)
             else:
                 logprobs, sums = [], []
             for _ in range(count - len(plan)):

@@ -89,6 +89,11 @@ class CISPOConfig(ClippedConfig):
     # Ratio clipped to [0, 4]: CISPO only bounds the importance weight, it never drops tokens.
     clip_low: float = Field(1.0, ge=0, le=1)
     clip_high: float = Field(3.0, ge=0)
+    out_of_range: Literal["clamp", "zero"] = Field(
+        "clamp",
+        description="clamp: the weight is clip(r) (CISPO); zero: the weight is r inside "
+        "(1 - clip_low, 1 + clip_high) and 0 outside (SkyRL's rollout_is)",
+    )
 
 
 class GSPOConfig(ClippedConfig):
@@ -100,6 +105,11 @@ class GSPOConfig(ClippedConfig):
         description="sequence: every token's ratio is s with the gradient of s (through the mean); "
         "token (GSPO-token, Tinker's gspo): s's value with the gradient of the token's own logp",
     )
+    log_ratio_cap: float | None = Field(
+        None,
+        description="clamp log s_t at this value before the exp (value capped, gradient 0 above it); "
+        "verl and SkyRL use 10. None: no cap (bounded_exp only)",
+    )
 
 
 class DROConfig(LossConfig):
@@ -108,12 +118,71 @@ class DROConfig(LossConfig):
     beta: float = Field(0.05, ge=0, description="weight of the squared log-ratio penalty")
 
 
+class SAPOConfig(LossConfig):
+    """Soft adaptive policy optimisation: a sigmoid gate on the ratio instead of a hard clip."""
+
+    tau_pos: float = Field(1.0, gt=0, description="gate temperature for tokens with A > 0")
+    tau_neg: float = Field(1.05, gt=0, description="gate temperature for tokens with A <= 0")
+
+
+class DPPOConfig(LossConfig):
+    """Divergence PPO: tokens whose probability moved too far (TV or binary KL) are dropped."""
+
+    divergence: Literal["binary_tv", "binary_kl"] = "binary_tv"
+    delta_low: float = Field(0.2, ge=0, description="divergence threshold for tokens with A <= 0")
+    delta_high: float = Field(0.2, ge=0, description="divergence threshold for tokens with A > 0")
+    surrogate: Literal["ratio", "log_prob"] = Field(
+        "ratio",
+        description="ratio: -r*A*valid, gradient through r (SkyRL's dppo); log_prob: "
+        "-sg(min(r, ratio_cap))*A*logp*valid (verl's dppo_tv / dppo_kl)",
+    )
+    ratio_cap: float | None = Field(
+        None, gt=0, description="log_prob surrogate only: truncate the stop-gradient weight at this value"
+    )
+
+    @model_validator(mode="after")
+    def _cap_only_for_log_prob(self) -> DPPOConfig:
+        if self.ratio_cap is not None and self.surrogate != "log_prob":
+            raise ValueError("ratio_cap is only used by surrogate='log_prob'")
+        return self
+
+
+class GeoMeanConfig(LossConfig):
+    """Geometric-mean policy optimisation (GMPO): clip the log-ratio per token, then take the
+    sequence's geometric mean. Clip keys are epsilons on the log-ratio: [-clip_low, clip_high]."""
+
+    clip_low: float = Field(0.4, ge=0)
+    clip_high: float = Field(0.4, ge=0)
+
+
+class ClipCovConfig(ClippedConfig):
+    """PPO (no dual clip) where a random share of the tokens whose covariance of advantage and
+    log-prob lies in (clip_cov_lb, clip_cov_ub) are dropped: Clip-Cov of "The Entropy Mechanism
+    of Reinforcement Learning for Reasoning Language Models" (2025; code
+    github.com/PRIME-RL/Entropy-Mechanism-of-RL, which verl and SkyRL adapt)."""
+
+    clip_cov_ratio: float = Field(2e-4, gt=0, le=1, description="share of the call's tokens to drop")
+    clip_cov_lb: float = Field(1.0, description="covariance lower bound (exclusive)")
+    clip_cov_ub: float = Field(5.0, description="covariance upper bound (exclusive)")
+
+
+class KLCovConfig(LossConfig):
+    """-r*A, plus ppo_kl_coef*|logp - old| on the top kl_cov_ratio share of the call's tokens by
+    covariance of advantage and log-prob (the same paper's KL-Cov)."""
+
+    kl_cov_ratio: float = Field(2e-4, gt=0, le=1, description="share of the call's tokens that get the KL term")
+    ppo_kl_coef: float = Field(1.0, ge=0)
+
+
 @dataclass
 class TokenInputs:
     """Flat per-token tensors for the samples of one micro-batch (concatenated in order).
 
     `sample_index[t]` says which sample (0..num_samples-1 within this micro-batch) token t
-    belongs to; `scale[t]` is the aggregation factor (see `aggregation_scales`).
+    belongs to; `scale[t]` is the aggregation factor (see `aggregation_scales`); `batch_stat[t]`
+    the value of the loss's `batch_statistic` for token t, computed once over the whole call
+    (None for losses without one, or when this micro-batch is the whole call: `compute_loss`
+    then computes it here).
     """
 
     logp: torch.Tensor
@@ -125,6 +194,7 @@ class TokenInputs:
     advantages: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
+    batch_stat: torch.Tensor | None = None
 
 
 @dataclass
@@ -239,6 +309,10 @@ def _ppo(cfg: LossConfig, x: TokenInputs) -> TokenLoss:
 def _cispo(cfg: LossConfig, x: TokenInputs) -> TokenLoss:
     assert isinstance(cfg, CISPOConfig) and x.old_logp is not None and x.advantages is not None
     ratio, bounded = bounded_exp(x.logp - x.old_logp)
+    if cfg.out_of_range == "zero":
+        r = ratio.detach()
+        inside = (r > 1.0 - cfg.clip_low) & (r < 1.0 + cfg.clip_high)
+        return TokenLoss(-(r * inside) * x.advantages * x.logp, ~inside, bounded)
     clipped_ratio = _clip_ratio(ratio, cfg).detach()
     clipped = (ratio.detach() != clipped_ratio)
     return TokenLoss(-clipped_ratio * x.advantages * x.logp, clipped, bounded)
@@ -256,6 +330,8 @@ def _gspo(cfg: LossConfig, x: TokenInputs) -> TokenLoss:
     if cfg.ratio_gradient == "token":
         # GSPO-token: s_t = sg(s) * p_t / sg(p_t): the value of s, the gradient of the token's own logp.
         log_s = log_s.detach() + (x.logp - x.logp.detach())
+    if cfg.log_ratio_cap is not None:
+        log_s = log_s.clamp(max=cfg.log_ratio_cap)
     seq_ratio, bounded = bounded_exp(log_s)
     clipped_ratio = _clip_ratio(seq_ratio, cfg)
     loss = -torch.minimum(seq_ratio * adv, clipped_ratio * adv)
@@ -270,7 +346,129 @@ def _dro(cfg: LossConfig, x: TokenInputs) -> TokenLoss:
     return TokenLoss(-(x.logp * x.advantages - 0.5 * cfg.beta * (x.logp - x.old_logp) ** 2), none, none)
 
 
+def _sapo(cfg: LossConfig, x: TokenInputs) -> TokenLoss:
+    import torch  # noqa: PLC0415 - see the note at the top
+    assert isinstance(cfg, SAPOConfig) and x.old_logp is not None and x.advantages is not None
+    ratio, bounded = bounded_exp(x.logp - x.old_logp)
+    tau = torch.where(x.advantages > 0, cfg.tau_pos, cfg.tau_neg).to(ratio.dtype)
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    return TokenLoss(-gate * x.advantages, torch.zeros_like(ratio, dtype=torch.bool), bounded)
+
+
+def dppo_valid(cfg: DPPOConfig, logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
+    """DPPO's binary trust-region mask [T] (bool, no gradient; DPPO, arXiv 2602.04879),
+    as verl's compute_policy_loss_dppo_tv / _dppo_kl and SkyRL's dppo_policy_loss compute it.
+    p = exp(logp), q = exp(old). binary_tv: A > 0 keeps p − q <= delta_high, A <= 0 keeps
+    p − q >= −delta_low. binary_kl with D = q·(old − logp) + (1 − q)·log((1 − q + 1e-8)/(1 − p + 1e-8)):
+    A > 0 keeps D <= delta_high or p <= q, A <= 0 keeps D <= delta_low or p >= q."""
+    import torch  # noqa: PLC0415 - see the note at the top
+    with torch.no_grad():
+        p, q = torch.exp(logp), torch.exp(old)
+        if cfg.divergence == "binary_tv":
+            keep_pos, keep_neg = (p - q) <= cfg.delta_high, (p - q) >= -cfg.delta_low
+        else:
+            div = q * (old - logp) + (1 - q) * torch.log((1.0 - q + 1e-8) / (1.0 - p + 1e-8))
+            keep_pos, keep_neg = (div <= cfg.delta_high) | (p <= q), (div <= cfg.delta_low) | (p >= q)
+        return torch.where(adv > 0, keep_pos, keep_neg)
+
+
+def _dppo(cfg: LossConfig, x: TokenInputs) -> TokenLoss:
+    assert isinstance(cfg, DPPOConfig) and x.old_logp is not None and x.advantages is not None
+    ratio, bounded = bounded_exp(x.logp - x.old_logp)
+    valid = dppo_valid(cfg, x.logp.detach(), x.old_logp, x.advantages)
+    if cfg.surrogate == "ratio":
+        return TokenLoss(-(ratio * x.advantages * valid), ~valid, bounded)
+    weight = ratio.detach() if cfg.ratio_cap is None else ratio.detach().clamp(max=cfg.ratio_cap)
+    return TokenLoss(-x.advantages * weight * x.logp * valid, ~valid, bounded)
+
+
+def _geo_mean(cfg: LossConfig, x: TokenInputs) -> TokenLoss:
+    import torch  # noqa: PLC0415 - see the note at the top
+    assert isinstance(cfg, GeoMeanConfig) and x.old_logp is not None and x.advantages is not None
+    adv = x.advantages
+    delta = x.logp - x.old_logp
+    # Per token: A > 0 caps the log-ratio above at clip_high, A < 0 below at -clip_low, A = 0 gives 0
+    # (sgn(A)·min(sgn(A)·δ, sgn(A)·clamp(δ)), verl's compute_policy_loss_geo_mean).
+    sign = torch.sign(adv)
+    clamped = delta.clamp(-cfg.clip_low, cfg.clip_high)
+    kept = sign * torch.minimum(sign * delta, sign * clamped)
+    mask = (x.weights != 0).to(x.logp.dtype)
+    count = _segment_sum(mask, x.sample_index, x.num_samples).clamp_min(1.0)
+    log_ratio = _segment_sum(kept * mask, x.sample_index, x.num_samples) / count
+    seq_adv = _segment_sum(adv * mask, x.sample_index, x.num_samples) / count
+    ratio, bounded = bounded_exp(log_ratio)
+    loss = (-seq_adv * ratio)[x.sample_index]
+    return TokenLoss(loss, (delta != clamped).detach(), bounded[x.sample_index])
+
+
+def _covariance(x: TokenInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cov [T], valid [T]): cov_t = (A_t − mean A)·(logp_t − mean logp), means over the valid
+    tokens (w != 0) of `x`, detached; the statistic Clip-Cov and KL-Cov select tokens by."""
+    assert x.advantages is not None
+    valid = x.weights != 0
+    logp, adv = x.logp.detach(), x.advantages.detach()
+    n = valid.sum().clamp_min(1)
+    mean_adv = (adv * valid).sum() / n
+    mean_logp = (logp * valid).sum() / n
+    return (adv - mean_adv) * (logp - mean_logp), valid
+
+
+def _clip_cov_selection(cfg: LossConfig, x: TokenInputs) -> torch.Tensor:
+    """1.0 for the tokens Clip-Cov drops, else 0.0 [T]: among the valid tokens that PPO's clip
+    did not already clip and whose covariance lies in (clip_cov_lb, clip_cov_ub), a uniformly
+    random subset (torch.randperm on torch's default generator, as verl and SkyRL draw it) of
+    max(int(clip_cov_ratio · valid tokens), 1) of them."""
+    import torch  # noqa: PLC0415 - see the note at the top
+    assert isinstance(cfg, ClipCovConfig) and x.old_logp is not None and x.advantages is not None
+    cov, valid = _covariance(x)
+    ratio, _ = bounded_exp(x.logp.detach() - x.old_logp)
+    by_clip = (-x.advantages * _clip_ratio(ratio, cfg)) > (-x.advantages * ratio)
+    candidates = torch.nonzero(valid & ~by_clip & (cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub))[:, 0]
+    selected = torch.zeros_like(x.logp, dtype=x.logp.dtype)
+    if len(candidates):
+        count = max(int(cfg.clip_cov_ratio * int(valid.sum())), 1)
+        chosen = candidates[torch.randperm(len(candidates))[: min(count, len(candidates))].to(candidates.device)]
+        selected[chosen] = 1.0
+    return selected.detach()
+
+
+def _clip_cov(cfg: LossConfig, x: TokenInputs) -> TokenLoss:
+    import torch  # noqa: PLC0415 - see the note at the top
+    assert isinstance(cfg, ClipCovConfig) and x.old_logp is not None and x.advantages is not None
+    assert x.batch_stat is not None
+    adv = x.advantages
+    ratio, bounded = bounded_exp(x.logp - x.old_logp)
+    unclipped_obj, clipped_obj = ratio * adv, _clip_ratio(ratio, cfg) * adv
+    loss = -torch.minimum(unclipped_obj, clipped_obj) * (1.0 - x.batch_stat)
+    clipped = (unclipped_obj.detach() > clipped_obj.detach()) | (x.batch_stat > 0)
+    return TokenLoss(loss, clipped, bounded)
+
+
+def _kl_cov_selection(cfg: LossConfig, x: TokenInputs) -> torch.Tensor:
+    """1.0 for the tokens KL-Cov penalises, else 0.0 [T]: the max(1, int(kl_cov_ratio · n)) valid
+    tokens with the largest covariance (torch.topk), n = valid tokens; none when n = 0."""
+    import torch  # noqa: PLC0415 - see the note at the top
+    assert isinstance(cfg, KLCovConfig)
+    cov, valid = _covariance(x)
+    index = torch.nonzero(valid)[:, 0]
+    selected = torch.zeros_like(x.logp, dtype=x.logp.dtype)
+    if len(index):
+        k = max(1, int(len(index) * cfg.kl_cov_ratio))
+        selected[index[torch.topk(cov[index], k, largest=True).indices]] = 1.0
+    return selected.detach()
+
+
+def _kl_cov(cfg: LossConfig, x: TokenInputs) -> TokenLoss:
+    assert isinstance(cfg, KLCovConfig) and x.old_logp is not None and x.advantages is not None
+    assert x.batch_stat is not None
+    delta = x.logp - x.old_logp
+    ratio, bounded = bounded_exp(delta)
+    loss = -x.advantages * ratio + cfg.ppo_kl_coef * delta.abs() * x.batch_stat
+    return TokenLoss(loss, x.batch_stat > 0, bounded)
+
+
 PerTokenLoss = Callable[[LossConfig, TokenInputs], "TokenLoss"]
+BatchStatistic = Callable[[LossConfig, TokenInputs], "torch.Tensor"]
 
 
 @dataclass(frozen=True)
@@ -280,6 +478,11 @@ class LossDef:
     `per_token(config, inputs)` returns a `TokenLoss` (per-token loss ℓ_t, clipped and
     exp-bounded masks). `inputs` lists the per-sample fields every sample must carry for
     this loss (reference log-probs are also needed by any loss whose `kl.coef` > 0).
+    `batch_statistic(config, inputs)`, for losses that select tokens by a statistic of the whole
+    call (Clip-Cov, KL-Cov), maps the `TokenInputs` of every token of the call (log-probs of a
+    no-grad pre-pass) to one value per token [T], which `per_token` reads as `inputs.batch_stat`;
+    the policy computes it once per forward_backward before any micro-batch runs (like the
+    aggregation scales), so the result does not depend on the micro-batching.
     """
 
     name: str
@@ -287,6 +490,7 @@ class LossDef:
     per_token: PerTokenLoss
     inputs: tuple[LossInput, ...]
     summary: str
+    batch_statistic: BatchStatistic | None = None
 
 
 _POLICY_INPUTS: tuple[LossInput, ...] = ("old_logprobs", "advantages")
@@ -300,6 +504,13 @@ LOSSES: dict[str, LossDef] = {
         LossDef("cispo", CISPOConfig, _cispo, _POLICY_INPUTS, "-sg(clip(r))*A*logp"),
         LossDef("gspo", GSPOConfig, _gspo, _POLICY_INPUTS, "sequence-level ratio, clipped like ppo; ratio_gradient sequence|token"),
         LossDef("dro", DROConfig, _dro, _POLICY_INPUTS, "-(A*logp - beta/2*(logp-logp_old)^2)"),
+        LossDef("sapo", SAPOConfig, _sapo, _POLICY_INPUTS, "-sigmoid(tau*(r-1))*4/tau*A, tau by the sign of A"),
+        LossDef("dppo", DPPOConfig, _dppo, _POLICY_INPUTS, "ratio or log-prob surrogate with a TV / binary-KL trust-region mask"),
+        LossDef("geo_mean", GeoMeanConfig, _geo_mean, _POLICY_INPUTS, "-mean(A)*exp(mean of the per-token clipped log-ratio) (GMPO)"),
+        LossDef("clip_cov", ClipCovConfig, _clip_cov, _POLICY_INPUTS, "ppo with a random share of high-covariance tokens dropped",
+                _clip_cov_selection),
+        LossDef("kl_cov", KLCovConfig, _kl_cov, _POLICY_INPUTS, "-r*A + coef*|logp-old| on the top-covariance tokens",
+                _kl_cov_selection),
     )
 }
 
@@ -363,8 +574,22 @@ def resolve_loss(name: str, config: dict[str, Any] | None) -> LossSpec:
     return LossSpec(name, parse_config(LOSSES[name].config, config or {}, where="loss_config"))
 
 
+def batch_statistic(spec: LossSpec, x: TokenInputs) -> torch.Tensor | None:
+    """The loss's `batch_statistic` [T] over the tokens of `x` (log-probs detached), or None
+    for a loss without one. `x` must hold every token of the forward_backward call."""
+    stat = spec.definition.batch_statistic
+    if stat is None:
+        return None
+    import torch  # noqa: PLC0415 - see the note at the top
+    with torch.no_grad():
+        return stat(spec.config, TokenInputs(**{**x.__dict__, "logp": x.logp.detach()}))
+
+
 def per_token_policy_loss(spec: LossSpec, x: TokenInputs) -> TokenLoss:
-    """The unweighted per-token loss ℓ_t with its clipped and exp-bounded masks."""
+    """The unweighted per-token loss ℓ_t with its clipped and exp-bounded masks. A loss with a
+    batch statistic and `x.batch_stat` None computes it on `x` (x is then the whole call)."""
+    if spec.definition.batch_statistic is not None and x.batch_stat is None:
+        x = TokenInputs(**{**x.__dict__, "batch_stat": batch_statistic(spec, x)})
     return spec.definition.per_token(spec.config, x)
 
 

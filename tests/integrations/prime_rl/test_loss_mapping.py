@@ -41,7 +41,7 @@ def test_native_floe_loss() -> None:
     m = native_loss({"name": "ppo", "config": {"clip_low": 0.1}})
     assert (m.name, m.config) == ("ppo", {"clip_low": 0.1, "aggregation": "sum"})
     with pytest.raises(InvalidInput) as e:
-        native_loss({"name": "dppo"})
+        native_loss({"name": "no_such_loss"})  # not a registered floe loss
     assert e.value.field == "floe.loss.name"
     with pytest.raises(InvalidInput) as e:
         native_loss({"name": "ppo", "config": {"aggregation": "token_mean"}})

@@ -8,6 +8,11 @@ temperature-scaled logits, the last R positions); the advantages are pre-scaled 
 plus `compute_approx_kl` + `masked_mean` (KL) or the masked entropy mean, as the worker adds
 them. floe side: the plugin's own `FloeDispatch.forward_backward` on an embedded backend built
 from the same model, whose policy gradients are then compared parameter by parameter.
+One case per SkyRL 0.4.0 PolicyLossType (and per variant: dppo's divergences, cispo's rollout
+anchor), with inputs that take the clips / masks / selections (checked through the clip ratio);
+the losses that read the rollout log-probs get rollout log-probs distinct from the old ones.
+SkyRL runs the mini-batch as one micro-batch (micro_train_batch_size_per_gpu = 4 rows), the
+setting under which clip_cov's and kl_cov's per-micro-batch statistics equal floe's per-call ones.
 """
 
 from __future__ import annotations
@@ -32,7 +37,24 @@ CASES = [
     ("gspo", "sequence_mean", {"use_kl_loss": False}),
     ("cispo", "seq_mean_token_sum_norm", {"use_kl_loss": False}),
     ("regular", "prompt_mean", {"use_kl_loss": False, "use_entropy_loss": True, "entropy_loss_coef": 0.05}),
+    ("gspo", "token_mean", {"use_kl_loss": True, "kl_loss_coef": 0.1, "eps_clip_low": 0.02, "eps_clip_high": 0.03,
+                            "clips": True}),
+    ("sapo", "sequence_mean", {"use_kl_loss": True, "kl_loss_coef": 0.1}),
+    ("sapo", "token_mean", {"use_kl_loss": False, "sapo.tau_pos": 2.0, "sapo.tau_neg": 3.0}),
+    ("dppo", "token_mean", {"use_kl_loss": True, "kl_loss_coef": 0.1, "dppo.delta_low": 0.0005, "dppo.delta_high": 0.0005,
+                            "clips": True}),
+    ("dppo", "sequence_mean", {"use_kl_loss": False, "dppo.dppo_type": "binary_kl", "dppo.delta_low": 1e-5,
+                               "dppo.delta_high": 1e-5, "rollout": True, "clips": True}),
+    ("rollout_is", "token_mean", {"use_kl_loss": False, "rollout": True, "clips": True}),
+    ("cispo", "sequence_mean", {"use_kl_loss": True, "kl_loss_coef": 0.1, "cispo.cispo_anchor": "rollout", "rollout": True,
+                                "cispo.cispo_eps_clip_low": 0.1, "cispo.cispo_eps_clip_high": 0.1, "clips": True}),
+    ("importance_sampling", "token_mean", {"use_kl_loss": False}),
+    # clip_cov: more candidates than tokens it drops, so the draw matters (same seed on both sides).
+    ("clip_cov", "token_mean", {"use_kl_loss": False, "clip_cov.clip_ratio": 0.1, "clip_cov.clip_cov_lb": -5.0,
+                                "clip_cov.clip_cov_ub": 5.0, "clips": True}),
+    ("kl_cov", "sequence_mean", {"use_kl_loss": False, "kl_cov.kl_cov_frac": 0.2, "kl_cov.ppo_kl_coef": 0.5}),
 ]
+SEED = 2024  # torch's default generator before each side (clip_cov draws the tokens it drops)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +69,7 @@ def skyrl_cfg(loss_type: str, reduction: str, extra: dict):
             "trainer.algorithm.eps_clip_low=0.1", "trainer.algorithm.eps_clip_high=0.15", "trainer.algorithm.clip_ratio_c=2.0",
             "trainer.algorithm.max_seq_len=9", "trainer.algorithm.temperature=0.9", "trainer.micro_train_batch_size_per_gpu=4",
             "trainer.algorithm.cispo.cispo_eps_clip_low=0.5", "trainer.algorithm.cispo.cispo_eps_clip_high=0.5"]
-    args += [f"trainer.algorithm.{k}={v}" for k, v in extra.items()]
+    args += [f"trainer.algorithm.{k}={v}" for k, v in extra.items() if k not in ("rollout", "clips")]
     return SkyRLTrainConfig.from_cli_overrides(args)
 
 
@@ -91,10 +113,14 @@ def test_skyrl_loss_and_gradients_match_floe(model_path: Path, loss_type: str, r
     with torch.no_grad():
         old = (logp + (torch.rand(logp.shape, generator=g) - 0.5) * 0.4) * resp
         ref = (logp + (torch.rand(logp.shape, generator=g) - 0.5) * 0.6) * resp
+        # rollout log-probs apart from the old ones: a loss that reads the wrong one fails
+        rollout = (logp + (torch.rand(logp.shape, generator=g) - 0.5) * 0.5) * resp if extra.get("rollout") else None
     adv = torch.tensor([[1.3], [-0.7], [0.4], [-1.1]]).expand(-1, width) * resp
     adv_pre = apply_loss_reduction_to_advantages_minibatch(adv, loss_mask, reduction, micro_batch_size=4, max_seq_len=9,
                                                            prompt_boundaries=[(0, 2), (2, 4)])
-    policy_loss, _ = PolicyLossRegistry.get(loss_type)(logp, old, adv_pre, config=algo, loss_mask=loss_mask)
+    torch.manual_seed(SEED)
+    policy_loss, _ = PolicyLossRegistry.get(loss_type)(logp, old, adv_pre, config=algo, loss_mask=loss_mask,
+                                                       rollout_logprobs=rollout)
     total = policy_loss
     if algo.use_kl_loss:
         kl = compute_approx_kl(logp, ref, loss_mask=loss_mask, kl_estimator_type=algo.kl_estimator_type)
@@ -106,12 +132,16 @@ def test_skyrl_loss_and_gradients_match_floe(model_path: Path, loss_type: str, r
 
     # -- floe through the plugin's dispatch ---------------------------------------------------------
     data = TrainingInputBatch({"sequences": seq, "attention_mask": att, "response_mask": resp, "loss_mask": loss_mask,
-                               "advantages": adv_pre, "action_log_probs": old, "base_action_log_probs": ref})
+                               "advantages": adv_pre, "action_log_probs": old, "base_action_log_probs": ref,
+                               **({"rollout_logprobs": rollout} if rollout is not None else {})})
     data.metadata = {"response_length": width}
     client = floe.connect(floe.BackendConfig(model=str(model_path), state_dir=str(model_path.parent / "states")))
     try:
         dispatch = FloeDispatch(cfg, client, map_loss(asdict(algo)), Counter(), None, None, None)  # type: ignore[arg-type]
+        torch.manual_seed(SEED)
         out = dispatch.forward_backward("policy", data)
+        if extra.get("clips"):  # the clip / mask / selection is exercised, not everywhere
+            assert 0 < out.metrics["loss_metrics/clip_ratio"] < 1
         assert out.metrics["final_loss"] == pytest.approx(float(total.detach()), rel=1e-5, abs=1e-6)  # fp32 noise ~1e-7
         policy = backend_of(client).policy.model
         floe_grads = {n: p.grad for n, p in policy.named_parameters()}

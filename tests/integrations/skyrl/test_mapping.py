@@ -43,7 +43,25 @@ def test_default_grpo_recipe_maps_to_ppo_with_kl() -> None:
 
 @pytest.mark.parametrize(("extra", "loss", "expect"), [
     ({"policy_loss_type": "dual_clip", "clip_ratio_c": 3.0}, "ppo", {"dual_clip": 3.0}),
-    ({"policy_loss_type": "gspo"}, "gspo", {"clip_low": 0.2, "clip_high": 0.28}),
+    ({"policy_loss_type": "gspo"}, "gspo", {"clip_low": 0.2, "clip_high": 0.28, "ratio_gradient": "token",
+                                            "log_ratio_cap": 10.0}),
+    ({"policy_loss_type": "gspo", "advantage_estimator": "reinforce++", "gamma": 0.9}, "gspo", {"ratio_gradient": "token"}),
+    ({"policy_loss_type": "sapo"}, "sapo", {"tau_pos": 1.0, "tau_neg": 1.05}),
+    ({"policy_loss_type": "sapo", "sapo": {"tau_pos": 2.0, "tau_neg": 3.0}}, "sapo", {"tau_pos": 2.0, "tau_neg": 3.0}),
+    ({"policy_loss_type": "dppo"}, "dppo", {"divergence": "binary_tv", "delta_low": 0.2, "delta_high": 0.2,
+                                            "surrogate": "ratio"}),
+    ({"policy_loss_type": "dppo", "dppo": {"dppo_type": "binary_kl", "delta_low": 0.01, "delta_high": 0.02}}, "dppo",
+     {"divergence": "binary_kl", "delta_low": 0.01, "delta_high": 0.02}),
+    ({"policy_loss_type": "rollout_is"}, "cispo", {"clip_low": 0.2, "clip_high": 0.28, "out_of_range": "zero"}),
+    ({"policy_loss_type": "cispo", "cispo": {"cispo_anchor": "rollout"}}, "cispo", {"clip_low": 1.0, "clip_high": 4.0}),
+    ({"policy_loss_type": "clip_cov", "use_kl_loss": False}, "clip_cov",
+     {"clip_low": 0.2, "clip_high": 0.28, "clip_cov_ratio": 0.0002, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0}),
+    ({"policy_loss_type": "clip_cov", "use_kl_loss": False, "clip_cov": {"clip_ratio": 3.0, "clip_cov_lb": -1.0,
+                                                                          "clip_cov_ub": 2.0}}, "clip_cov",
+     {"clip_cov_ratio": 1.0, "clip_cov_lb": -1.0, "clip_cov_ub": 2.0}),
+    ({"policy_loss_type": "kl_cov", "use_kl_loss": False}, "kl_cov", {"kl_cov_ratio": 0.2, "ppo_kl_coef": 1.0}),
+    ({"policy_loss_type": "kl_cov", "use_kl_loss": False, "kl_cov": {"kl_cov_frac": 0.05, "ppo_kl_coef": 0.3}}, "kl_cov",
+     {"kl_cov_ratio": 0.05, "ppo_kl_coef": 0.3}),
     ({"policy_loss_type": "cispo", "cispo": {"cispo_eps_clip_low": 1.0, "cispo_eps_clip_high": 4.0, "cispo_anchor": "old"}},
      "cispo", {"clip_low": 1.0, "clip_high": 4.0}),
     ({"policy_loss_type": "importance_sampling"}, "importance_sampling", {}),
@@ -58,6 +76,22 @@ def test_each_loss_key_maps(extra: dict, loss: str, expect: dict) -> None:
     resolve_loss(m.loss, m.loss_config)
 
 
+@pytest.mark.parametrize(("kind", "extra", "behaviour"), [
+    ("regular", {}, "old"), ("cispo", {}, "old"), ("cispo", {"cispo": {"cispo_anchor": "rollout"}}, "rollout"),
+    ("rollout_is", {}, "rollout"), ("dppo", {}, "rollout_or_old"), ("sapo", {}, "old"),
+])
+def test_losses_read_the_log_probs_skyrl_reads(kind: str, extra: dict, behaviour: str) -> None:
+    """rollout_is and cispo with the rollout anchor take their ratio against the rollout
+    log-probs, dppo against them when the batch has them (SkyRL's dppo_policy_loss)."""
+    assert map_loss({**ALGO, "policy_loss_type": kind, **extra}).behaviour == behaviour
+
+
+def test_every_skyrl_policy_loss_type_is_mapped() -> None:
+    from floe.integrations.skyrl.mapping import POLICY_LOSSES  # noqa: PLC0415
+    assert set(POLICY_LOSSES) == {"regular", "dual_clip", "gspo", "cispo", "rollout_is", "clip_cov", "kl_cov", "sapo",
+                                  "cross_entropy", "importance_sampling", "dppo"}  # SkyRL 0.4.0's PolicyLossType
+
+
 def test_cross_entropy_is_a_plain_masked_sum() -> None:
     m = map_loss({**ALGO, "policy_loss_type": "cross_entropy"})
     assert (m.loss, m.loss_config, m.weighting) == ("cross_entropy", {"aggregation": "sum"}, "mask")
@@ -65,14 +99,21 @@ def test_cross_entropy_is_a_plain_masked_sum() -> None:
 
 @pytest.mark.parametrize(("extra", "field"), [
     ({"surprise": 1}, "trainer.algorithm.surprise"),
-    ({"policy_loss_type": "sapo"}, "trainer.algorithm.policy_loss_type"),
-    ({"policy_loss_type": "gspo", "advantage_estimator": "reinforce++", "gamma": 0.9}, "trainer.algorithm.policy_loss_type"),
+    ({"policy_loss_type": "custom"}, "trainer.algorithm.policy_loss_type"),
+    ({"policy_loss_type": "sapo", "sapo": {"tau_neg": 0.0}}, "trainer.algorithm.sapo.tau_neg"),
+    ({"policy_loss_type": "dppo", "dppo": {"dppo_type": "topk_tv"}}, "trainer.algorithm.dppo.dppo_type"),
+    ({"policy_loss_type": "dppo", "dppo": {"delta_low": -0.1}}, "trainer.algorithm.dppo.delta_low"),
+    ({"policy_loss_type": "clip_cov"}, "trainer.algorithm.use_kl_loss"),
+    ({"policy_loss_type": "kl_cov", "use_kl_loss": False, "use_entropy_loss": True}, "trainer.algorithm.use_entropy_loss"),
+    ({"policy_loss_type": "clip_cov", "use_kl_loss": False, "clip_cov": {"clip_ratio": 0.0}},
+     "trainer.algorithm.clip_cov.clip_ratio"),
+    ({"policy_loss_type": "kl_cov", "use_kl_loss": False, "kl_cov": {"kl_cov_frac": 0.0}}, "trainer.algorithm.kl_cov.kl_cov_frac"),
     ({"kl_estimator_type": "abs"}, "trainer.algorithm.kl_estimator_type"),
     ({"use_tis": True}, "trainer.algorithm.use_tis"),
     ({"tis_imp_ratio_cap": 2.0}, "trainer.algorithm.tis_imp_ratio_cap"),
     ({"enable_sample_support_replay": True}, "trainer.algorithm.enable_sample_support_replay"),
     ({"off_policy_correction": {"tis_ratio_type": "token"}}, "trainer.algorithm.off_policy_correction.tis_ratio_type"),
-    ({"policy_loss_type": "cispo", "cispo": {"cispo_anchor": "rollout"}}, "trainer.algorithm.cispo.cispo_anchor"),
+    ({"policy_loss_type": "cispo", "cispo": {"cispo_anchor": "sampler"}}, "trainer.algorithm.cispo.cispo_anchor"),
     ({"use_entropy_loss": True}, "trainer.algorithm.use_entropy_loss"),
     ({"advantage_estimator": "gae"}, "trainer.algorithm.advantage_estimator"),
     ({"temperature": None}, "trainer.algorithm.temperature"),

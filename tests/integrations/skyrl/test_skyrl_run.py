@@ -9,7 +9,8 @@ SkyRL's own sampler-vs-trainer log-prob gap `policy/rollout_train_logprobs_abs_d
 below 1e-4 at every step; a reward that depends on the model's output (non-zero, varying, so
 advantages and gradients are non-zero); eval metrics before training and at step 2. The
 `floe serve` run also keeps a warm-up + cosine LR schedule: the rate floe applied at each
-step's last optimizer step is the one SkyRL's own scheduler gives it.
+step's last optimizer step is the one SkyRL's own scheduler gives it. A dppo run takes its
+ratio against the rollout log-probs (SkyRL skips the policy forward).
 Runs only in the SkyRL environment (scripts/ci/skyrl.sh, marker `skyrl`).
 """
 
@@ -113,23 +114,27 @@ def check_throughput(r: dict[str, float], model: Path, peak_tflops: float) -> No
 
 
 def check_run(proc: subprocess.CompletedProcess[str], out: Path, model: Path, lrs: list[float] | None = None,
-              peak_tflops: float = 0.0) -> dict[str, int]:
+              peak_tflops: float = 0.0, policy_forward: bool = True) -> dict[str, int]:
     """`lrs`: when given, the rate of every optimizer step; each training step logs its last one.
-    `peak_tflops`: the backend's configured peak (0: none, so no floe/mfu)."""
+    `peak_tflops`: the backend's configured peak (0: none, so no floe/mfu). `policy_forward`:
+    SkyRL computes old log-probs (False: a loss on the rollout log-probs)."""
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     calls = json.loads((out / "export" / "floe_calls.json").read_text())
     mini_batches = STEPS * TRAIN_BATCH // MINI_BATCH
     assert calls["forward_backward"] == calls["optim_step"] == mini_batches, calls
     # per step: one reference forward of the whole batch + one policy forward per mini-batch
-    assert calls["forward"] == STEPS * (1 + TRAIN_BATCH // MINI_BATCH), calls
+    assert calls["forward"] == STEPS * (1 + (TRAIN_BATCH // MINI_BATCH if policy_forward else 0)), calls
     assert calls["sync_weights"] == STEPS, calls  # after each step; the first sampler already has the weights
     assert 0 < calls["sample"] <= STEPS * TRAIN_BATCH * N_SAMPLES + 3 * 8 * 1, calls
 
     records = [json.loads(line) for line in (out / "export" / "floe_metrics.jsonl").read_text().splitlines()]
-    train = [r for r in records if "policy/rollout_train_logprobs_abs_diff_mean" in r]
+    train = [r for r in records if "policy/final_loss" in r]
     assert [r["step"] for r in train] == [1, 2, 3]
     for r in train:
-        assert r["policy/rollout_train_logprobs_abs_diff_mean"] < 1e-4, r
+        # SkyRL's old-vs-rollout gap (not logged when it skips the policy forward: no old log-probs;
+        # the plugin then had only the rollout log-probs to send, or it would have raised)
+        if policy_forward:
+            assert r["policy/rollout_train_logprobs_abs_diff_mean"] < 1e-4, r
         assert r["reward/avg_raw_reward"] > 0, r  # the shaped reward reads the model's text
         assert r["policy/grad_norm"] > 0, r  # non-zero advantages reached the loss
         assert r["policy/final_loss"] != 0, r
@@ -142,12 +147,14 @@ def check_run(proc: subprocess.CompletedProcess[str], out: Path, model: Path, lr
     return calls
 
 
+# SkyRL has no CPU mode: floe.backend.device=cpu; SkyRL's environment has no vLLM, so floe's
+# torch engine stands in for the recipe's (default) vllm backend.
+ON_CPU = ("floe.backend.device=cpu", "floe.backend.sampler.engine.name=torch")
+
+
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 def test_skyrl_main_base_with_embedded_floe(assets: dict[str, Path], tmp_path: Path) -> None:
-    # SkyRL has no CPU mode: floe.backend.device=cpu; SkyRL's environment has no vLLM, so floe's
-    # torch engine stands in for the recipe's (default) vllm backend.
-    proc = run_skyrl(assets, tmp_path, "floe.backend.device=cpu", "floe.backend.sampler.engine.name=torch",
-                     f"floe.backend.compute.peak_tflops={PEAK_TFLOPS}")
+    proc = run_skyrl(assets, tmp_path, *ON_CPU, f"floe.backend.compute.peak_tflops={PEAK_TFLOPS}")
     check_run(proc, tmp_path, assets["model"], peak_tflops=PEAK_TFLOPS)
     log = (tmp_path / "run.log").read_text()
     assert "floe backend settings: device=cpu dtype=float32 engine=torch placement=local" in log, log[-3000:]
@@ -163,6 +170,16 @@ def test_a_gpu_recipe_without_a_gpu_is_refused_before_anything_starts(assets: di
     assert "InvalidInput" in log and "trainer.placement.policy_num_gpus_per_node" in log, log[-3000:]
     assert "the Ray cluster has 0" in log and "floe.backend.device=cpu" in log, log[-3000:]
     assert not (tmp_path / "export" / "floe_metrics.jsonl").exists()
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_skyrl_main_base_dppo_on_the_rollout_log_probs(assets: dict[str, Path], tmp_path: Path) -> None:
+    """policy_loss_type=dppo with the generator's log-probs: SkyRL skips the policy forward
+    (RayPPOTrainer._skip_policy_forward), so the batches carry no old log-probs and the plugin
+    sends the rollout log-probs as the samples' log-probs, as SkyRL's dppo_policy_loss uses them."""
+    proc = run_skyrl(assets, tmp_path, "trainer.algorithm.policy_loss_type=dppo", "trainer.algorithm.dppo.delta_low=0.01",
+                     "trainer.algorithm.dppo.delta_high=0.01", "generator.sampling_params.logprobs=0", *ON_CPU)
+    check_run(proc, tmp_path, assets["model"], policy_forward=False)
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 120)

@@ -140,6 +140,20 @@ def test_a_gpu_recipe_without_a_gpu_is_refused_before_anything_starts(assets):
     assert not run.steps  # no training step ran
 
 
+def test_main_ppo_with_a_batch_statistic_loss(assets):
+    """loss_mode=kl_cov (tokens chosen by covariance over the whole forward_backward call, a
+    pre-pass inside floe): verl's config reaches the plugin's mapping and the run trains."""
+    out = assets["root"] / "kl_cov"
+    extra = ["actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov", "actor_rollout_ref.actor.policy_loss.kl_cov_ratio=0.2",
+             "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"]
+    run = run_main_ppo(grpo_recipe(assets["model"], assets["train"], assets["test"], out) + extra + [ON_CPU],
+                       assets["root"] / "kl_cov.log")
+    print(f"verl main_ppo on floe (kl_cov): {run.seconds:.0f} s")
+    check_run(run, assets["model"])
+    # floe's clip_fraction is kl_cov's share of penalised tokens: 0.2 of each mini-batch's tokens, rounded down
+    assert all(0 < run.steps[s]["actor/pg_clipfrac"] <= 0.2 for s in range(1, STEPS + 1))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

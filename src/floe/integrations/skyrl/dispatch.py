@@ -49,6 +49,23 @@ class _Chunk:
         self.data, self.start = data, start
 
 
+def behaviour_logprobs(data: TrainingInputBatch, loss: SkyRLLoss) -> torch.Tensor:
+    """The log-probs SkyRL's loss takes its ratio against [B, R], sent as the samples'
+    `logprobs`: the old ones (action_log_probs), the rollout's (rollout_is, cispo with
+    cispo_anchor=rollout; SkyRL asserts they exist), or for dppo the rollout's when the batch
+    has them and else the old, as dppo_policy_loss chooses (`SkyRLLoss.behaviour`)."""
+    rollout = data.get("rollout_logprobs")
+    if loss.behaviour == "rollout" or (loss.behaviour == "rollout_or_old" and rollout is not None):
+        if rollout is None:
+            raise InvalidInput("rollout_logprobs", "this policy_loss_type takes its ratio against the rollout log-probs, "
+                               "and the batch has none (the generator must return logprobs)")
+        return rollout
+    old = data.get("action_log_probs")
+    if old is None:
+        raise InvalidInput("action_log_probs", "the batch has no old log-probs (SkyRL skipped the policy forward)")
+    return old
+
+
 class FloeDispatch:
     """The parts of SkyRL's ``WorkerDispatch`` that ``RayPPOTrainer`` calls, on a floe client."""
 
@@ -121,7 +138,7 @@ class FloeDispatch:
         width = data["response_mask"].shape[1]
         layout = skyrl_to_batch(
             data["sequences"], data["attention_mask"], data["response_mask"],
-            logprobs=data["action_log_probs"], advantages=advantages, weights=weights,
+            logprobs=behaviour_logprobs(data, self.loss), advantages=advantages, weights=weights,
             ref_logprobs=data["base_action_log_probs"] if use_ref else None,
         )
         self.calls["forward_backward"] += 1

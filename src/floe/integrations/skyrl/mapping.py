@@ -16,6 +16,27 @@ with ``aggregation = "sum"``. Every floe policy loss is positively homogeneous i
 the advantage A_t·m_t/ω_t reproduces SkyRL's policy term, KL term and entropy term at once
 (``token_weights`` / ``floe_advantages``). Only KL *and* entropy together need two different
 weights; that combination is refused.
+
+Policy losses (SkyRL ``policy_loss_type`` -> floe loss; every key of each is mapped):
+
+| SkyRL (ppo_utils function)              | floe loss and keys (trainer.algorithm.*) |
+|-----------------------------------------|------------------------------------------|
+| regular / dual_clip (ppo_policy_loss)   | ppo: eps_clip_low/high, clip_ratio_c (dual_clip) |
+| gspo (gspo_policy_loss, GSPO-token)     | gspo: ratio_gradient token, log_ratio_cap 10, eps_clip_low/high |
+| sapo (sapo_policy_loss)                 | sapo: sapo.tau_pos, sapo.tau_neg |
+| cispo (compute_policy_loss_cispo)       | cispo: cispo.cispo_eps_clip_low/high; cispo.cispo_anchor old: ratio to the old log-probs, rollout: to the rollout log-probs (sent as the samples' log-probs) |
+| rollout_is (rollout_is_policy_loss)     | cispo with out_of_range zero, eps_clip_low/high; the rollout log-probs as the samples' log-probs |
+| dppo (dppo_policy_loss)                 | dppo: surrogate ratio, dppo.dppo_type, dppo.delta_low/high; the rollout log-probs when the batch has them (as SkyRL), else the old |
+| clip_cov (compute_policy_loss_clip_cov) | clip_cov: eps_clip_low/high, clip_cov.clip_ratio, clip_cov.clip_cov_lb/ub |
+| kl_cov (compute_policy_loss_kl_cov)     | kl_cov: kl_cov.kl_cov_frac, kl_cov.ppo_kl_coef |
+| importance_sampling, cross_entropy      | the same-named floe losses |
+
+clip_cov and kl_cov are not homogeneous in the advantage (the covariance bounds are absolute;
+kl_cov's |log r| term is not multiplied by it), so they need the plain mask weighting: they are
+refused with use_kl_loss or use_entropy_loss. SkyRL computes their covariance and token count
+per micro-batch (trainer.micro_train_batch_size_per_gpu rows), floe over the whole mini-batch
+(one forward_backward): the same when one micro-batch holds the GPU's whole mini-batch
+(micro_train_batch_size_per_gpu >= policy_mini_batch_size · n_samples_per_prompt / GPUs).
 """
 
 from __future__ import annotations
@@ -32,20 +53,26 @@ from floe.integrations.stand_in import stand_in_optimizer
 SKYRL_VERSION = "0.4.0"
 
 Weighting = Literal["mask", "kl", "entropy"]
+# Which log-probs the samples carry as `Sample.logprobs`: SkyRL's old ones (action_log_probs),
+# the rollout's (rollout_logprobs), or the rollout's when the batch has them, else the old.
+Behaviour = Literal["old", "rollout", "rollout_or_old"]
 
-# SkyRL policy_loss_type -> floe loss name.
+# SkyRL 0.4.0 policy_loss_type (PolicyLossType) -> floe loss name.
 POLICY_LOSSES: dict[str, str] = {
     "regular": "ppo",
     "dual_clip": "ppo",
     "gspo": "gspo",
     "cispo": "cispo",
+    "rollout_is": "cispo",
+    "sapo": "sapo",
+    "dppo": "dppo",
+    "clip_cov": "clip_cov",
+    "kl_cov": "kl_cov",
     "importance_sampling": "importance_sampling",
     "cross_entropy": "cross_entropy",
 }
 KL_ESTIMATORS = ("k1", "k2", "k3")
-# Estimators whose advantages are constant within a sequence (what floe's GSPO, gradient through
-# the sequence mean, needs to equal SkyRL's GSPO-token).
-OUTCOME_ESTIMATORS = ("grpo", "rloo", "maxrl")
+GSPO_LOG_RATIO_CAP = 10.0  # SkyRL's clamp of GSPO's log-ratio before the exp
 
 # trainer.algorithm keys that SkyRL's own trainer applies before any floe call.
 TRAINER_SIDE = frozenset({
@@ -53,11 +80,12 @@ TRAINER_SIDE = frozenset({
     "zero_variance_filter", "zero_variance_filter_tol", "lambd", "gamma", "dynamic_sampling",
     "loss_reduction", "max_seq_len",
 })
-# Keys read only by losses or models floe refuses (a critic, sapo, clip_cov, kl_cov, dppo).
-UNUSED_WHEN_REFUSED = frozenset({"value_head_prefix", "value_clip", "sapo", "clip_cov", "kl_cov", "dppo"})
+# Keys read only by a model floe refuses (a critic).
+UNUSED_WHEN_REFUSED = frozenset({"value_head_prefix", "value_clip"})
 MAPPED = frozenset({
     "policy_loss_type", "eps_clip_low", "eps_clip_high", "clip_ratio_c", "use_kl_loss", "kl_loss_coef",
-    "kl_estimator_type", "use_entropy_loss", "entropy_loss_coef", "temperature", "cispo",
+    "kl_estimator_type", "use_entropy_loss", "entropy_loss_coef", "temperature", "cispo", "sapo", "clip_cov", "kl_cov",
+    "dppo",
 })
 # Keys floe refuses unless they hold SkyRL's default (off) value.
 MUST_BE_DEFAULT: dict[str, Any] = {
@@ -81,6 +109,7 @@ class SkyRLLoss:
     loss_config: dict[str, Any]
     weighting: Weighting
     temperature: float
+    behaviour: Behaviour = "old"
 
 
 def _key(name: str) -> str:
@@ -116,7 +145,8 @@ def map_loss(
         raise InvalidInput(_key("policy_loss_type"), f"{kind!r} has no floe equivalent; supported: {', '.join(POLICY_LOSSES)}")
     loss = POLICY_LOSSES[kind]
     cfg: dict[str, Any] = {"aggregation": "sum"}
-    if loss in ("ppo", "gspo"):
+    behaviour: Behaviour = "old"
+    if kind in ("regular", "dual_clip", "gspo", "rollout_is", "clip_cov"):
         cfg["clip_low"] = _clip_low(algorithm.get("eps_clip_low", 0.2), "eps_clip_low")
         cfg["clip_high"] = _non_negative(algorithm.get("eps_clip_high", 0.2), "eps_clip_high")
     if kind == "dual_clip":
@@ -124,16 +154,43 @@ def map_loss(
         if not c > 1:
             raise InvalidInput(_key("clip_ratio_c"), f"dual clip needs c > 1, got {c}")
         cfg["dual_clip"] = c
-    if kind == "gspo":
-        estimator = algorithm.get("advantage_estimator", "grpo")
-        if estimator not in OUTCOME_ESTIMATORS and not (estimator == "reinforce++" and algorithm.get("gamma", 1.0) == 1.0):
-            raise InvalidInput(_key("policy_loss_type"), f"'gspo' needs advantages constant per sequence ({', '.join(OUTCOME_ESTIMATORS)}); got estimator {estimator!r}")
+    if kind == "gspo":  # GSPO-token, exact for any advantages
+        cfg.update(ratio_gradient="token", log_ratio_cap=GSPO_LOG_RATIO_CAP)
     if kind == "cispo":
         cispo = algorithm.get("cispo") or {}
-        if cispo.get("cispo_anchor", "old") != "old":
-            raise InvalidInput(_key("cispo.cispo_anchor"), "only the 'old' anchor is supported by floe")
+        anchor = cispo.get("cispo_anchor", "old")
+        if anchor not in ("old", "rollout"):
+            raise InvalidInput(_key("cispo.cispo_anchor"), f"must be 'old' or 'rollout' (as in SkyRL), got {anchor!r}")
+        behaviour = "old" if anchor == "old" else "rollout"
         cfg["clip_low"] = _clip_low(cispo.get("cispo_eps_clip_low", 1.0), "cispo.cispo_eps_clip_low")
         cfg["clip_high"] = _non_negative(cispo.get("cispo_eps_clip_high", 4.0), "cispo.cispo_eps_clip_high")
+    if kind == "rollout_is":  # -sg(r·1[1-eps_low < r < 1+eps_high])·A·logp against the rollout log-probs
+        cfg["out_of_range"] = "zero"
+        behaviour = "rollout"
+    if kind == "sapo":
+        sapo = algorithm.get("sapo") or {}
+        for name, default in (("tau_pos", 1.0), ("tau_neg", 1.05)):
+            tau = float(sapo.get(name, default))
+            if not tau > 0:
+                raise InvalidInput(_key(f"sapo.{name}"), f"must be > 0 (SAPO's gate temperature), got {tau!r}")
+            cfg[name] = tau
+    if kind == "dppo":
+        dppo = algorithm.get("dppo") or {}
+        divergence = dppo.get("dppo_type", "binary_tv")
+        if divergence not in ("binary_tv", "binary_kl"):
+            raise InvalidInput(_key("dppo.dppo_type"), f"must be binary_tv or binary_kl (as in SkyRL), got {divergence!r}")
+        cfg.update(divergence=divergence, surrogate="ratio",
+                   delta_low=_non_negative(dppo.get("delta_low", 0.2), "dppo.delta_low"),
+                   delta_high=_non_negative(dppo.get("delta_high", 0.2), "dppo.delta_high"))
+        behaviour = "rollout_or_old"
+    if kind == "clip_cov":
+        clip_cov = algorithm.get("clip_cov") or {}
+        cfg.update(clip_cov_ratio=_share(clip_cov.get("clip_ratio", 0.0002), "clip_cov.clip_ratio"),
+                   clip_cov_lb=float(clip_cov.get("clip_cov_lb", 1.0)), clip_cov_ub=float(clip_cov.get("clip_cov_ub", 5.0)))
+    if kind == "kl_cov":
+        kl_cov = algorithm.get("kl_cov") or {}
+        cfg.update(kl_cov_ratio=_share(kl_cov.get("kl_cov_frac", 0.2), "kl_cov.kl_cov_frac"),
+                   ppo_kl_coef=_non_negative(kl_cov.get("ppo_kl_coef", 1.0), "kl_cov.ppo_kl_coef"))
 
     use_kl = bool(algorithm.get("use_kl_loss", True))
     use_entropy = bool(algorithm.get("use_entropy_loss", False))
@@ -154,10 +211,25 @@ def map_loss(
         cfg["entropy"] = {"coef": _non_negative(algorithm.get("entropy_loss_coef", 0.01), "entropy_loss_coef")}
         weighting = "entropy"
 
+    if kind in ("clip_cov", "kl_cov") and weighting != "mask":
+        name = "use_kl_loss" if weighting == "kl" else "use_entropy_loss"
+        raise InvalidInput(_key(name), f"{kind} with a KL or entropy term is not supported by floe's SkyRL plugin: its "
+                           "covariance selection (and kl_cov's |log r| term) would see the re-weighted advantages; "
+                           f"set {name}=false")
+
     temperature = algorithm.get("temperature")
     if temperature is None or not float(temperature) > 0:
         raise InvalidInput(_key("temperature"), f"must be > 0 (SkyRL's validate_cfg copies the sampling temperature), got {temperature!r}")
-    return SkyRLLoss(loss, cfg, weighting, float(temperature))
+    return SkyRLLoss(loss, cfg, weighting, float(temperature), behaviour)
+
+
+def _share(value: Any, name: str) -> float:
+    """SkyRL's share of the micro-batch's tokens: max(int(share · n), 1) tokens, at most all of
+    them, so a share >= 1 is floe's 1.0; refused unless > 0."""
+    v = float(value)
+    if not v > 0:
+        raise InvalidInput(_key(name), f"must be > 0, got {value!r}")
+    return min(v, 1.0)
 
 
 def _non_negative(value: Any, name: str) -> float:

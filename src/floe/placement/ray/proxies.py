@@ -2,7 +2,9 @@
 `backend.zones` by calling the actors (`actors.py`) through `calls.gather`.
 
 * `RayPolicy`: P policy ranks. forward / forward_backward split the batch
-  (`backend.data_parallel.split_batch`: groups whole, balanced, global loss scales), send each
+  (`backend.data_parallel.split_batch`: groups whole, balanced, global loss scales; for a loss
+  with a batch statistic, clip_cov and kl_cov, a no-grad pre-pass first computes it over the
+  whole batch, `policy.batch_token_stats`, and the shares carry it), send each
   rank its share, and merge the answers; every other call goes to all ranks (they are
   collectives) and rank 0's answer is the result.
 * `RaySamplerGroup`: R sampler replicas behind one `SamplerZone` face: the call seed, the
@@ -23,6 +25,7 @@ import ray
 import torch
 
 from floe.backend.data_parallel import merge_forward, merge_forward_backward, split_batch
+from floe.backend.policy import batch_token_stats
 from floe.backend.sampler import SamplerZone, merge_results, split_prompts
 from floe.backend.weights import Fingerprint, WeightsSnapshot
 from floe.compute.losses import LossSpec
@@ -82,7 +85,10 @@ class RayPolicy:
             raise
 
     def forward_backward(self, batch: Batch, spec: LossSpec, temperature: float) -> ForwardBackwardResult:
-        shares = split_batch(batch, len(self.ranks), spec)
+        stats = None
+        if spec.definition.batch_statistic is not None:  # global over the call: a no-grad pre-pass here
+            stats = batch_token_stats(batch, spec, self.forward(batch, temperature, False).logprobs, torch.device("cpu"))
+        shares = split_batch(batch, len(self.ranks), spec, stats)
         partials = self._refreshing(lambda: self._each("forward_backward", [(s, spec, temperature) for s in shares]))
         self._pending += 1
         return merge_forward_backward(batch, shares, partials, spec)
