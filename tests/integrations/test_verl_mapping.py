@@ -58,6 +58,15 @@ def test_kl_loss_maps_coefficient_and_estimator(verl_type, estimator):
     assert loss.loss_config["kl"] == {"coef": 0.05, "estimator": estimator} and loss.needs_ref_logprobs
 
 
+def test_a_lower_clip_of_one_or_more_is_no_lower_clip():
+    # verl clamps the ratio (> 0) at 1 - clip_ratio_low: >= 1 never bites (verl's cispo example uses 10)
+    for mode in ("vanilla", "cispo"):
+        cfg = verl_loss(actor(policy_loss={"loss_mode": mode}, clip_ratio_low=10, clip_ratio_high=0.2)).loss_config
+        assert cfg["clip_low"] == 1.0 and cfg["clip_high"] == 0.2
+    # geo_mean's lower bound is on the log-ratio: kept as given
+    assert verl_loss(actor(policy_loss={"loss_mode": "geo_mean"}, clip_ratio_low=1.5)).loss_config["clip_low"] == 1.5
+
+
 def test_clips_entropy_and_the_clip_ratio_fallback():
     cfg = verl_loss(actor(clip_ratio_low=0.1, clip_ratio_high=0.28, clip_ratio_c=5.0, entropy_coeff=0.01)).loss_config
     assert (cfg["clip_low"], cfg["clip_high"], cfg["dual_clip"], cfg["entropy"]) == (0.1, 0.28, 5.0, {"coef": 0.01})
@@ -96,7 +105,7 @@ def test_clips_entropy_and_the_clip_ratio_fallback():
         ({"use_kl_loss": True, "kl_loss_type": "abs"}, None, "actor_rollout_ref.actor.kl_loss_type"),
         ({"use_kl_loss": True, "kl_loss_type": "low_var_kl+"}, None, "actor_rollout_ref.actor.kl_loss_type"),
         ({"clip_ratio_c": 1.0}, None, "actor_rollout_ref.actor.clip_ratio_c"),
-        ({"clip_ratio_low": 1.5}, None, "actor_rollout_ref.actor.clip_ratio_low"),
+        ({"clip_ratio_low": -0.1}, None, "actor_rollout_ref.actor.clip_ratio_low"),
         ({"entropy_coeff": -0.1}, None, "actor_rollout_ref.actor.entropy_coeff"),
         ({"ppo_epochs": 0}, None, "actor_rollout_ref.actor.ppo_epochs"),
         ({"loss_agg_mode": "seq-mean-token-sum-norm", "loss_scale_factor": 0}, None,

@@ -96,6 +96,10 @@ class VerlLoss:
         return self.loss_config["kl"]["coef"] > 0
 
 
+# loss modes whose clip_ratio_low bounds a ratio exp(.) > 0 from below (1 - clip_ratio_low)
+_RATIO_CLAMPS = ("vanilla", "cispo", "gspo", "clip_cov")
+
+
 def _number(cfg: Mapping[str, Any], key: str, default: float | None) -> float | None:
     value = cfg.get(key, default)
     if value is None:
@@ -124,8 +128,13 @@ def verl_loss(actor: Mapping[str, Any], algorithm: Mapping[str, Any] | None = No
     clip_high = _number(actor, "clip_ratio_high", None)
     clip_low = clip if clip_low is None else clip_low
     clip_high = clip if clip_high is None else clip_high
-    if clip_low is None or not 0 <= clip_low <= 1:
-        raise InvalidInput(f"{ACTOR}.clip_ratio_low", f"must be in [0, 1] (the ratio's lower clip is 1 - it), got {clip_low!r}")
+    if clip_low is None or clip_low < 0:
+        raise InvalidInput(f"{ACTOR}.clip_ratio_low", f"must be >= 0, got {clip_low!r}")
+    if mode in _RATIO_CLAMPS and clip_low > 1:
+        # verl clamps the ratio (> 0) from below at 1 - clip_ratio_low: any value >= 1 clamps at or
+        # below 0, never bites, and is floe's clip_low = 1 exactly (e.g. verl's cispo example: 10).
+        # (geo_mean's and dppo's lower bounds are on the log-ratio / the divergence: any value >= 0.)
+        clip_low = 1.0
     if clip_high is None or clip_high < 0:
         raise InvalidInput(f"{ACTOR}.clip_ratio_high", f"must be >= 0, got {clip_high!r}")
     clip_c = _number(actor, "clip_ratio_c", 3.0)
