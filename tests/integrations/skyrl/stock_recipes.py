@@ -448,6 +448,11 @@ CPU_KEYS = {
 }
 
 
+def _is_base_algorithm(name: str) -> bool:
+    """An algorithm key of test_skyrl_run's own recipe (recipe_args), dropped from the base."""
+    return name.startswith("trainer.algorithm.") or name == "trainer.policy.optimizer_config.lr"
+
+
 def _is_cpu_key(name: str) -> bool:
     return name in CPU_KEYS or name.startswith(CPU_PREFIXES)
 
@@ -458,7 +463,8 @@ def cpu_sized(recipe: StockRecipe, base: list[str], max_seq_len: int) -> list[st
     set to this run's prompt + response length, no evaluation, and floe's CPU keys
     (`floe.backend.device=cpu`; the torch engine in place of vLLM, which SkyRL's environment lacks)."""
     stock = {_name(k): k for k in recipe.keys}
-    out = [k for k in base if _is_cpu_key(_name(k)) or _name(k) not in stock]
+    # the base's own algorithm choices never reach a stock recipe: what it leaves unset is SkyRL's default
+    out = [k for k in base if _is_cpu_key(_name(k)) or (_name(k) not in stock and not _is_base_algorithm(_name(k)))]
     out = [k for k in out if not _name(k).startswith("trainer.eval_")]
     out += [k for name, k in stock.items() if not _is_cpu_key(name) and name != "trainer.algorithm.max_seq_len"]
     if "trainer.algorithm.max_seq_len" in stock:

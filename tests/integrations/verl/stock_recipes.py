@@ -335,8 +335,11 @@ RECIPES: dict[str, StockRecipe] = {r.name: r for r in (
         'actor_rollout_ref.model.use_remove_padding=True',
         'actor_rollout_ref.model.enable_gradient_checkpointing=True',
         'actor_rollout_ref.actor.policy_loss.loss_mode=sapo',
-        '+actor_rollout_ref.actor.policy_loss.tau_pos=1.0',
-        '+actor_rollout_ref.actor.policy_loss.tau_neg=1.05',
+        # The script writes +actor_rollout_ref.actor.policy_loss.tau_pos / tau_neg, which verl 0.9.1's
+        # own config refuses (PolicyLossConfig has no tau_pos: "unexpected keyword argument"); its
+        # sapo loss reads actor.tau_pos / tau_neg, where they go here.
+        'actor_rollout_ref.actor.tau_pos=1.0',
+        'actor_rollout_ref.actor.tau_neg=1.05',
         'actor_rollout_ref.actor.strategy=fsdp2',
         'actor_rollout_ref.actor.optim.lr=1e-6',
         'actor_rollout_ref.actor.ppo_mini_batch_size=64',
@@ -431,6 +434,9 @@ CPU_KEYS = {
     "trainer.project_name", "trainer.experiment_name", "trainer.n_gpus_per_node", "trainer.nnodes",
     "trainer.save_freq", "trainer.test_freq", "trainer.total_epochs", "trainer.val_before_train",
 }
+# The algorithm keys of test_main_ppo's own recipe (run.grpo_recipe), dropped from the base.
+BASE_ALGORITHM = {"actor_rollout_ref.actor.use_kl_loss", "actor_rollout_ref.actor.kl_loss_coef",
+                  "actor_rollout_ref.actor.optim.lr", "algorithm.adv_estimator", "algorithm.use_kl_in_reward"}
 # Token budgets of the recipes' dynamic batching (sizes), set for this machine's tiny sequences.
 TOKEN_BUDGETS = ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
                  "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
@@ -443,7 +449,8 @@ def cpu_sized(recipe: StockRecipe, base: list[str]) -> list[str]:
     for tiny sequences, no validation, and floe's CPU keys (`+floe.backend.device=cpu`; the torch
     engine in place of vLLM, which verl's environment lacks)."""
     stock = {_name(k): k for k in recipe.keys}
-    out = [k for k in base if _name(k) in CPU_KEYS or _name(k) not in stock]
+    # the base's own algorithm choices never reach a stock recipe: what it leaves unset is verl's default
+    out = [k for k in base if _name(k) in CPU_KEYS or (_name(k) not in stock and _name(k) not in BASE_ALGORITHM)]
     out = [k for k in out if _name(k) not in ("trainer.val_before_train", "trainer.test_freq")]
     out += [k for name, k in stock.items() if name not in CPU_KEYS and name not in TOKEN_BUDGETS]
     out += [f"{name}=2048" for name in TOKEN_BUDGETS if name in stock]
