@@ -189,7 +189,9 @@ class Info:
 
     `capabilities` keys: `losses`, `aggregations`, `kl_estimators` (lists of names from the loss
     registry), `sampler_engine` (the engine's name), `sampler_engine_start_seconds` (float),
-    `pending_forward_backward_calls` (int: calls whose gradients wait for optim_step).
+    `pending_forward_backward_calls` (int: calls whose gradients wait for optim_step),
+    `optimizer` (the policy's `OptimizerConfig` as JSON plus `name` "adamw": lr, betas, eps,
+    weight_decay, grad_clip, schedule, ...; a plugin checks a framework's optimizer keys against it).
     """
 
     model: str  # the model path or hub id the policy was loaded from

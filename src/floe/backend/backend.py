@@ -370,6 +370,7 @@ class Backend:
                     "pending_forward_backward_calls": self.policy.pending_calls,
                     "placement": self.zones.describe(),
                     "zones_memory": self.zones.memory(),
+                    "optimizer": {"name": "adamw", **self.config.optimizer.model_dump(mode="json")},
                 },
             )
 
