@@ -7,9 +7,11 @@
 # commits floe pins (its README says which): prime-rl 559b447, the verifiers commit it needs
 # (a60a606) and torchtitan 23e4dfc. They are unpacked into the environment's directory (never
 # into the checkout) and installed editable from there without dependency resolution; then their
-# requirements from the index, less the CUDA-only wheels prime-rl's trainer and vLLM inference
-# need (vllm, flash-attn kernels, mooncake, modelexpress, ...) and less `dion` (a git-only
-# optimizer package: floe.integrations.prime_rl.schedule imports prime-rl's scheduler without it).
+# requirements from the index at the versions of prime-rl's own uv.lock (a pip constraints file
+# made from it), less the CUDA-only wheels prime-rl's trainer and vLLM inference need (vllm,
+# flash-attn kernels, mooncake, nixl, ...) and less `dion` (a git-only optimizer package:
+# floe.integrations.prime_rl.schedule imports prime-rl's scheduler without it). modelexpress
+# (imported by the orchestrator) goes in without its CUDA-only nixl requirement.
 # The archives' hashes are part of the environment's hash, so a new snapshot rebuilds it.
 # The suite finds the unpacked prime-rl through the installed `prime_rl` package.
 # Usage: bash scripts/ci/prime-rl.sh [extra pytest args]
@@ -38,9 +40,11 @@ VF_VERSION="0.4.0+a60a606"
 # Not installed: CUDA-only or git-only requirements of prime-rl (see above), and what the
 # archives themselves provide.
 EXCLUDED="torch torchvision torchaudio vllm mooncake-transfer-engine ring-flash-attn tilelang
-  flash-linear-attention dion modelexpress torchao nvidia-ml-py prime-rl-configs verifiers torchtitan"
+  flash-linear-attention dion modelexpress torchao nvidia-ml-py prime-rl-configs verifiers torchtitan prime-rl
+  nixl deep-ep deep-gemm flash-attn flash-attn-3 flash-attn-4 vllm-router prime-kernels"
 EXTRA_PINS="pytest-asyncio"
-if stack_env prime-rl "$TORCH_PIN $HASHES verifiers:$VF_VERSION excluded:$EXCLUDED $EXTRA_PINS"; then
+MODELEXPRESS=0.3.0  # prime-rl's pin
+if stack_env prime-rl "$TORCH_PIN $HASHES verifiers:$VF_VERSION modelexpress:$MODELEXPRESS excluded:$EXCLUDED lock $EXTRA_PINS"; then
   SRC="$VENV/src"
   mkdir -p "$SRC"
   for a in $ARCHIVES; do
@@ -48,20 +52,36 @@ if stack_env prime-rl "$TORCH_PIN $HASHES verifiers:$VF_VERSION excluded:$EXCLUD
     tar -xzf "$VENDOR/$a.tar.gz" -C "$SRC/$a"
   done
   PRL="$SRC/prime-rl-559b447/prime-rl"
-  SETUPTOOLS_SCM_PRETEND_VERSION_FOR_VERIFIERS=$VF_VERSION "$VENV/bin/pip" install --quiet --no-deps \
-    -e "$SRC/verifiers-a60a606/verifiers" -e "$SRC/torchtitan-23e4dfc/torchtitan" \
-    -e "$PRL/packages/prime-rl-configs" -e "$PRL"
+  SETUPTOOLS_SCM_PRETEND_VERSION=$VF_VERSION "$VENV/bin/pip" install --quiet --no-deps -e "$SRC/verifiers-a60a606/verifiers"
+  "$VENV/bin/pip" install --quiet --no-deps -e "$SRC/torchtitan-23e4dfc/torchtitan" \
+    -e "$PRL/packages/prime-rl-configs" -e "$PRL" "modelexpress==$MODELEXPRESS"
+  # prime-rl's locked versions of the index packages (torch and the excluded ones left out).
+  "$VENV/bin/python" - "$PRL/uv.lock" "$EXCLUDED" > "$VENV/prime-rl-constraints.txt" <<'PYEOF'
+import re, sys, tomllib
+skip = set(sys.argv[2].split())
+for p in tomllib.load(open(sys.argv[1], "rb"))["package"]:
+    if "registry" in p.get("source", {}) and p["name"] not in skip and not re.match(r"nvidia-|triton$|cuda-", p["name"]):
+        print(f"{p['name']}=={p['version']}")
+PYEOF
   {
     requirements_of verifiers "$EXCLUDED"
     requirements_of torchtitan "$EXCLUDED"
     requirements_of prime-rl-configs "$EXCLUDED"
     requirements_of prime-rl "$EXCLUDED"
+    # modelexpress 0.3.0 declares protobuf<6; prime-rl's lock overrides that (<7, its protobuf 6 pin)
+    requirements_of modelexpress "$EXCLUDED nixl protobuf"
   } | sort -u > "$VENV/prime-rl-requirements.txt"
   # shellcheck disable=SC2086
-  "$VENV/bin/pip" install --quiet -r "$VENV/prime-rl-requirements.txt" $EXTRA_PINS "$TORCH_PIN"
+  "$VENV/bin/pip" install --quiet -c "$VENV/prime-rl-constraints.txt" -r "$VENV/prime-rl-requirements.txt" \
+    $EXTRA_PINS "$TORCH_PIN"
+  "$VENV/bin/python" -c "import sys; from importlib.metadata import version
+version('verifiers') == '$VF_VERSION' or sys.exit(f\"prime-rl.sh: verifiers {version('verifiers')}, expected $VF_VERSION\")"
   stack_built
 fi
 install_floe test,prime-rl
+# The tasksets the stock recipes name (verifiers' environments/, from the archive; they need only datasets).
+"$VENV/bin/pip" install --quiet --no-deps -e "$VENV/src/verifiers-a60a606/verifiers/environments/reverse_text" \
+  -e "$VENV/src/verifiers-a60a606/verifiers/environments/alphabet_sort"
 # prime-rl's config classes, its scheduler (through floe's import of it) and its orchestrator load.
 "$VENV/bin/python" -c "import prime_rl.configs.rl, prime_rl.orchestrator.orchestrator
 from floe.integrations.prime_rl.schedule import prime_rl_scheduler_module

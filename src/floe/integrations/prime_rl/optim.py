@@ -150,7 +150,7 @@ def parse_scheduler(trainer: Mapping[str, Any], max_steps: int, lr: float) -> Pr
         if warmup == 0 and decay == 0:
             raise InvalidInput("trainer.scheduler.warmup_steps", "a linear scheduler needs warmup_steps > 0 or "
                                "decay_steps > 0 (prime-rl's rule); use type = \"constant\" instead")
-        if warmup + decay > max_steps:
+        if decay > 0 and warmup + decay > max_steps:
             raise InvalidInput("trainer.scheduler.decay_steps", f"warmup_steps ({warmup}) + decay_steps ({decay}) "
                                f"must not exceed max_steps ({max_steps}) (prime-rl's rule)")
     if kind == "cosine" and warmup >= max_steps:
