@@ -5,16 +5,16 @@ one prime-rl's scheduler gives its own optimizer (rel 1e-12), also after a resto
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 
 from floe.config import load_layers
 from floe.errors import InvalidInput
 from floe.integrations.prime_rl.config import parse_config
-from floe.integrations.prime_rl.optim import ADAMW_DEFAULTS, SCHEDULER_DEFAULTS, PrimeOptim, PrimeScheduler, parse_scheduler
+from floe.integrations.prime_rl.optim import ADAMW_DEFAULTS, SCHEDULER_DEFAULTS, parse_scheduler
 from floe.integrations.prime_rl.schedule import PrimeRlSchedule, prime_rl_scheduler_module
 from floe.integrations.prime_rl.trainer import run
 from tests.integrations.prime_rl.orchestrator import serve_steps

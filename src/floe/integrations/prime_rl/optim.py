@@ -20,6 +20,7 @@ against prime-rl's own config classes, and the checks against prime-rl's `valida
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -84,7 +85,7 @@ def _table(trainer: Mapping[str, Any], key: str) -> dict[str, Any]:
 
 
 def _number(value: Any, field: str, low: float, high: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value < low \
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < low \
             or (high is not None and value > high):
         bound = f"in [{low:g}, {high:g}]" if high is not None else f">= {low:g}"
         raise InvalidInput(field, f"must be a number {bound}, got {value!r}")

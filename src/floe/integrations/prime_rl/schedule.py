@@ -76,8 +76,8 @@ def prime_rl_scheduler_module() -> types.ModuleType | None:
 
 def prime_rl_scheduler_config(scheduler: PrimeScheduler) -> Any:
     """prime-rl's own SchedulerConfig object (prime_rl.configs.trainer) for these keys."""
-    from pydantic import TypeAdapter  # noqa: PLC0415 - only with prime-rl installed
     from prime_rl.configs.trainer import SchedulerConfig  # type: ignore[import-not-found]  # noqa: PLC0415
+    from pydantic import TypeAdapter  # noqa: PLC0415 - only with prime-rl installed
 
     return TypeAdapter(SchedulerConfig).validate_python(scheduler.as_prime_rl())
 
