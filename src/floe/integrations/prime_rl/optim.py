@@ -8,10 +8,10 @@ once after each optimizer step. With floe:
 
   the rate of each step       prime-rl's own scheduler, run in the trainer (schedule.py), passed
                               as `client.optim_step(lr=...)`: exact whatever the server's schedule
-  betas, weight decay, eps,   the server's optimizer (`floe serve`'s [optimizer] table) applies
+  betas, weight decay, eps,   the server's optimizer (`floe serve`'s [backend.optimizer] table) applies
   max_norm                    them; the trainer compares them with the server's
                               `info().capabilities["optimizer"]` and refuses a difference,
-                              naming the key, both values and the [optimizer] line that fixes it
+                              naming the key, both values and the [backend.optimizer] line that fixes it
 
 The defaults are prime-rl's (`AdamWConfig`, `*SchedulerConfig` in
 packages/prime-rl-configs/src/prime_rl/configs/trainer.py); the `prime_rl` suite checks them
@@ -55,7 +55,7 @@ class PrimeOptim:
         return {"type": "adamw", **asdict(self)}
 
     def serve_optimizer(self) -> dict[str, Any]:
-        """The `[optimizer]` keys of a `floe serve` config that train as prime-rl's AdamW does
+        """The `[backend.optimizer]` keys of a `floe serve` config that train as prime-rl's AdamW does
         (`lr` and the schedule do not matter: the trainer passes each step's rate)."""
         return {"betas": [self.betas1, self.betas2], "eps": TORCH_ADAMW_EPS, "weight_decay": self.weight_decay,
                 "grad_clip": self.max_norm}
@@ -171,8 +171,8 @@ def _toml(value: Any) -> str:
 def check_server_optimizer(optim: PrimeOptim, server: Mapping[str, Any] | None) -> None:
     """InvalidInput when the server's optimizer (`info().capabilities["optimizer"]`) would not
     train as prime-rl's AdamW with these keys: the recipe's key, both values, and the
-    `floe serve` [optimizer] line that makes them agree. Floats compare exactly."""
-    fix = "start `floe serve` with [optimizer] " + ", ".join(f"{k} = {_toml(v)}" for k, v in optim.serve_optimizer().items())
+    `floe serve` [backend.optimizer] line that makes them agree. Floats compare exactly."""
+    fix = "start `floe serve` with [backend.optimizer] " + ", ".join(f"{k} = {_toml(v)}" for k, v in optim.serve_optimizer().items())
     if not server:
         raise InvalidInput("floe.url", "the server does not report its optimizer (info().capabilities['optimizer']), "
                            "so prime-rl's trainer.optim cannot be checked; use a floe serve of this floe version")
