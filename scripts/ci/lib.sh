@@ -15,16 +15,17 @@ TORCH_PIN="torch==2.13.0"
 # pip, packaging and torch) when the environment must be built; fails when it is cached.
 stack_env() {
   STACK=$1
-  PINS="$2 py:$("$PY" -c 'import sys; print(sys.version_info[:2])')"
+  PINS="$2 py:$("$PY" -c 'import sys; print(sys.version_info[:2])')" || exit 1
   VENV="${FLOE_CI_CACHE:-$HOME/.cache/floe-ci}/$STACK-$(printf '%s' "$PINS" | sha256sum | cut -c1-12)"
   [ -f "$VENV/.complete" ] && return 1
   echo "$STACK.sh: building $VENV ($PINS)"
   STACK_T0=$(date +%s)
   rm -rf "$VENV"
   mkdir -p "$(dirname "$VENV")"
-  "$PY" -m venv "$VENV"
-  "$VENV/bin/pip" install --quiet --upgrade pip packaging
-  "$VENV/bin/pip" install --quiet "$TORCH_PIN"
+  # `|| exit 1`: a function called as an `if` condition runs without set -e.
+  "$PY" -m venv "$VENV" || exit 1
+  "$VENV/bin/pip" install --quiet --upgrade pip packaging || exit 1
+  "$VENV/bin/pip" install --quiet "$TORCH_PIN" || exit 1
 }
 
 # stack_built: mark the environment complete (after the stack's own build steps).

@@ -45,6 +45,12 @@ model = "$WORK/tiny"
 state_dir = "$WORK/states"
 seed = 0
 
+[backend.optimizer]   # prime-rl's default AdamW (floe prime-trainer refuses a server that differs)
+betas = [0.9, 0.999]
+eps = 1e-08
+weight_decay = 0.01
+grad_clip = 1.0
+
 [server]
 served_model_name = "$WORK/tiny"   # prime-rl serves and checks the model under its \`model.name\`
 EOF

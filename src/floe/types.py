@@ -209,7 +209,9 @@ class Info:
     `device_name` (the policy's hardware, floe.devices.device_name), `policy_devices` (int:
     devices the policy computes on), `peak_flops` (FLOP/s of one of them, or None: unknown),
     `peak_flops_source` ("compute.peak_tflops", "datasheet" or None), `model_flops` (bool:
-    whether floe.compute.flops covers the model, i.e. results report `model_flops`).
+    whether floe.compute.flops covers the model, i.e. results report `model_flops`),
+    `optimizer` (the policy's `OptimizerConfig` as JSON plus `name` "adamw": lr, betas, eps,
+    weight_decay, grad_clip, schedule, ...; a plugin checks a framework's optimizer keys against it).
     """
 
     model: str  # the model path or hub id the policy was loaded from

@@ -405,6 +405,7 @@ class Backend:
                     "peak_flops_source": self._peak_source,
                     "model_flops": self._shape is not None,
                     "zones_memory": self.zones.memory(),
+                    "optimizer": {"name": "adamw", **self.config.optimizer.model_dump(mode="json")},
                 },
             )
 

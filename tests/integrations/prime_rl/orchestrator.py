@@ -6,10 +6,12 @@ padding appended to the last sample with loss_mask False) and writes rollouts/st
 from __future__ import annotations
 
 import random
+import threading
+import time
 from pathlib import Path
 
 import floe
-from floe.integrations.prime_rl.formats import MicroBatch, TrainingSample, write_micro_batches
+from floe.integrations.prime_rl.formats import STABLE, MicroBatch, TrainingSample, broadcast_dir, write_micro_batches
 
 
 def make_samples(client: floe.Client, seed: int, temperature: float = 1.0) -> list[TrainingSample]:
@@ -77,3 +79,22 @@ def write_step(run_dir: Path, step: int, client: floe.Client) -> list[TrainingSa
     samples = make_samples(client, seed=step)
     write_micro_batches(run_dir, step, 0, pack(samples))
     return samples
+
+
+def serve_steps(run_dir: Path, client: floe.Client, steps: int, errors: list[BaseException]) -> threading.Thread:
+    """prime-rl's orchestrator loop in a thread: for step 1..steps, wait for broadcasts/step_{n-1}/STABLE,
+    then write step n's rollouts sampled by `client` (a fork of the trainer's). Errors go to `errors`."""
+
+    def loop() -> None:
+        try:
+            for step in range(1, steps + 1):
+                marker = broadcast_dir(run_dir, step - 1) / STABLE
+                while not marker.exists():
+                    time.sleep(0.02)
+                write_step(run_dir, step, client)
+        except BaseException as e:  # noqa: BLE001 - re-raised by the test thread
+            errors.append(e)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    return thread

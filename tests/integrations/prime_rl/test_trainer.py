@@ -21,6 +21,8 @@ from floe.integrations.prime_rl.trainer import run
 from tests.integrations.prime_rl.orchestrator import make_samples, pack, write_step
 
 KL_TAU = 0.05
+# floe serve's [optimizer] as prime-rl's default AdamW trains (optim.PrimeOptim().serve_optimizer()).
+PRIME_ADAMW = {"weight_decay": 0.01, "grad_clip": 1.0, "betas": (0.9, 0.999), "eps": 1e-8}
 
 
 def rl_toml(tmp_path: Path, **over) -> dict:
@@ -37,7 +39,7 @@ def test_three_steps_published_in_order_with_native_loss(make_client, tmp_path: 
     cfg = parse_config(rl_toml(tmp_path))
     run_dir = tmp_path / "run1"
     assert cfg.run_dir == run_dir and cfg.ignored_trainer_keys == ["trainer.model.compile"]
-    trainer_client = make_client(seed=0)
+    trainer_client = make_client(seed=0, optimizer=PRIME_ADAMW)
     orchestrator_client = trainer_client.fork()
     seen: list[tuple[int, float]] = []
     errors: list[BaseException] = []
@@ -69,7 +71,9 @@ def test_three_steps_published_in_order_with_native_loss(make_client, tmp_path: 
     versions = [read_marker(p.parent).weights_version for p in stables]
     assert versions == [versions[0] + s for s in range(4)]
     assert trainer_client.info().step == 3 and trainer_client.info().sampler_version == versions[-1]
-    assert "not applied" in lines[0]
+    assert "lr schedule constant" in lines[0] and "not applied" in lines[1]
+    # prime-rl's default scheduler (constant) at its default lr: every step ran at trainer.optim.lr
+    assert [r.lr for r in reports] == [1e-6] * 3 and [r.next_lr for r in reports] == [1e-6] * 3
 
     # Step 1 ran on the initial weights: a fresh backend on the same model must give the same loss
     # through floe's native API, and prime-rl's formula on floe's forward log-probs must agree.
@@ -136,7 +140,15 @@ def test_packing_round_trip_and_refusals(make_client) -> None:
     ({"run": {}}, "run.name"),
     ({"max_steps": 0}, "max_steps"),
     ({"floe": {"urll": "x"}}, "floe.urll"),
-    ({"trainer": {"optim": {"lr": 1e-6}}}, "trainer.optim.lr"),
+    ({"trainer": {"optim": {"type": "muon"}}}, "trainer.optim.type"),
+    ({"trainer": {"optim": {"lr": 2.0}}}, "trainer.optim.lr"),
+    ({"trainer": {"optim": {"betas": [0.9, 0.95]}}}, "trainer.optim.betas"),
+    ({"trainer": {"optim": {"max_norm": 0}}}, "trainer.optim.max_norm"),
+    ({"trainer": {"scheduler": {"type": "wsd"}}}, "trainer.scheduler.type"),
+    ({"trainer": {"scheduler": {"type": "cosine", "decay_steps": 2}}}, "trainer.scheduler.decay_steps"),
+    ({"trainer": {"scheduler": {"type": "cosine", "warmup_steps": 3}}}, "trainer.scheduler.warmup_steps"),
+    ({"trainer": {"scheduler": {"type": "linear", "warmup_steps": 0, "decay_steps": 0}}}, "trainer.scheduler.warmup_steps"),
+    ({"trainer": {"scheduler": {"type": "linear", "warmup_steps": 2, "decay_steps": 2}}}, "trainer.scheduler.decay_steps"),
     ({"trainer": {"model": {"lora": {"rank": 8}}}}, "trainer.model.lora"),
     ({"trainer": {}}, "trainer.loss.dppo_mask_low"),
 ])

@@ -10,7 +10,11 @@ read here; the `[floe]` table (the overlay, recipes/prime_rl/floe.toml) adds flo
   rollout_transport, trainer.rollout_transport   must be type "filesystem"
   weight_broadcast, trainer.weight_broadcast     must be type "filesystem" (the default)
   trainer.model.lora                  refused (the server's backend decides LoRA)
-  trainer.optim, trainer.scheduler    refused: the optimizer belongs to `floe serve`'s backend
+  trainer.optim                       optim.parse_optim: lr sets the schedule's peak; betas1/2,
+                                      weight_decay, max_norm are checked against the server's
+                                      optimizer at start (optim.check_server_optimizer)
+  trainer.scheduler                   optim.parse_scheduler: run by prime-rl's own scheduler
+                                      (schedule.PrimeRlSchedule), each step's rate passed to optim_step
 
   [floe] url ("http://127.0.0.1:7000"), token_env ("FLOE_TOKEN"), ranks (1: rank files per
   step, the orchestrator's num_train_workers), poll_s (0.2), wait_timeout_s (None = forever),
@@ -28,9 +32,11 @@ from typing import Any
 
 from floe.errors import InvalidInput
 from floe.integrations.prime_rl.loss_mapping import MappedLoss, map_loss, native_loss
+from floe.integrations.prime_rl.optim import PrimeOptim, PrimeScheduler, parse_optim, parse_scheduler
 
 FLOE_KEYS = {"url", "token_env", "ranks", "poll_s", "wait_timeout_s", "run_dir", "loss"}
-READ_TRAINER_KEYS = {"loss", "max_steps", "rollout_transport", "weight_broadcast", "model", "output_dir"}
+READ_TRAINER_KEYS = {"loss", "max_steps", "rollout_transport", "weight_broadcast", "model", "output_dir", "optim",
+                     "scheduler"}
 
 
 @dataclass
@@ -38,6 +44,8 @@ class PrimeTrainerConfig:
     run_dir: Path
     max_steps: int
     loss: MappedLoss
+    optim: PrimeOptim = field(default_factory=PrimeOptim)
+    scheduler: PrimeScheduler = field(default_factory=PrimeScheduler)
     url: str = "http://127.0.0.1:7000"
     token_env: str = "FLOE_TOKEN"
     ranks: int = 1
@@ -97,11 +105,8 @@ def parse_config(data: dict[str, Any]) -> PrimeTrainerConfig:
     model = trainer.get("model") or {}
     if model.get("lora") is not None:
         raise InvalidInput("trainer.model.lora", "LoRA is set on `floe serve`'s backend, not by the trainer; remove it")
-    for key in ("optim", "scheduler"):
-        if key in trainer:
-            sub = next(iter(trainer[key]), "") if isinstance(trainer[key], dict) else ""
-            raise InvalidInput(f"trainer.{key}{'.' + sub if sub else ''}", "the optimizer and its schedule belong to "
-                               "`floe serve`'s backend ([optimizer] in its config); remove this key")
+    optim = parse_optim(trainer)
+    scheduler = parse_scheduler(trainer, max_steps, optim.lr)
 
     if "loss" in floe:
         if not isinstance(floe["loss"], dict):
@@ -122,6 +127,6 @@ def parse_config(data: dict[str, Any]) -> PrimeTrainerConfig:
         raise InvalidInput("floe.url", f"must be the http(s):// address of `floe serve`, got {url!r}")
     ignored = sorted(f"trainer.{k}" for k in trainer if k not in READ_TRAINER_KEYS)
     ignored += sorted(f"trainer.model.{k}" for k in model if k not in ("name", "lora"))
-    return PrimeTrainerConfig(run_dir=run_dir, max_steps=max_steps, loss=loss, url=url,
+    return PrimeTrainerConfig(run_dir=run_dir, max_steps=max_steps, loss=loss, optim=optim, scheduler=scheduler, url=url,
                               token_env=str(floe.get("token_env", "FLOE_TOKEN")), ranks=ranks, poll_s=float(poll),
                               wait_timeout_s=None if timeout is None else float(timeout), ignored_trainer_keys=ignored)

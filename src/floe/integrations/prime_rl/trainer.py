@@ -3,10 +3,14 @@
 The loop follows prime-rl's own trainer (src/prime_rl/trainer/rl/train.py at PRIME_RL_COMMIT):
 publish the startup policy as step 0; then for step = 1 .. max_steps: wait for every rank's
 `rollouts/step_{step}/rank_{r}.bin`, train on them (one `forward_backward` over the whole step,
-then `optim_step`), `sync_weights(version = v0 + step)` so the sampler serves the new policy,
+then `optim_step(lr=...)` at prime-rl's scheduled rate), `sync_weights(version = v0 + step)` so the sampler serves the new policy,
 and publish `broadcasts/step_{step}/` (floe.json, then STABLE). The orchestrator's watcher sees
 STABLE and calls `/update_weights` on `floe serve`, which checks that the sampler serves that
 version. The trainer must talk to the same `floe serve` the orchestrator samples from.
+
+Before anything is published, the server's optimizer is checked against `trainer.optim`
+(optim.check_server_optimizer) and prime-rl's scheduler is built at the server's optimizer step
+(schedule.PrimeRlSchedule): every step's rate is prime-rl's, also after a restored state.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from floe.errors import InvalidInput, StateError
 from floe.integrations.prime_rl.batch import to_floe_batch
 from floe.integrations.prime_rl.config import PrimeTrainerConfig
 from floe.integrations.prime_rl.formats import BroadcastMarker, publish, read_micro_batches, rollout_path
+from floe.integrations.prime_rl.optim import check_server_optimizer
+from floe.integrations.prime_rl.schedule import PrimeRlSchedule
 
 
 @dataclass
@@ -34,7 +40,8 @@ class StepReport:
     rl_scale: int
     samples: int
     grad_norm: float | None
-    lr: float | None
+    lr: float | None  # the rate this step's optimizer step ran at (prime-rl's schedule)
+    next_lr: float  # the schedule's rate after this step (what prime-rl logs as optim/lr)
     weights_version: int
     broadcast: str
 
@@ -55,6 +62,9 @@ def wait_for(paths: list[Path], poll_s: float, timeout_s: float | None) -> None:
 def run(cfg: PrimeTrainerConfig, client: Any, log: Any = print) -> list[StepReport]:
     """Train cfg.max_steps steps from the run directory through `client`; see the module doc."""
     info = client.info()
+    check_server_optimizer(cfg.optim, info.capabilities.get("optimizer"))
+    schedule = PrimeRlSchedule(cfg.optim, cfg.scheduler, cfg.max_steps, steps=info.step)
+    log(f"prime-trainer: lr schedule {schedule.describe()}")
     if cfg.ignored_trainer_keys:
         log(f"prime-trainer: not applied (prime-rl's own trainer internals): {', '.join(cfg.ignored_trainer_keys)}")
     run_dir = cfg.run_dir
@@ -73,16 +83,18 @@ def run(cfg: PrimeTrainerConfig, client: Any, log: Any = print) -> list[StepRepo
         if step_batch.batch.groups:
             fb = client.forward_backward(step_batch.batch, loss=cfg.loss.name, loss_config=cfg.loss.config)
             loss = float(fb.metrics["loss"])
-            opt = client.optim_step()
+            opt = client.optim_step(lr=schedule.lr)
             grad_norm, lr = opt.grad_norm, opt.lr
+            schedule.advance_to(opt.step)
             version = client.sync_weights(version=v0 + step).version
         policy_step = client.info().step
         out = publish(run_dir, BroadcastMarker(step=step, weights_version=version, policy_step=policy_step,
                                                model=info.model))
-        report = StepReport(step, loss, step_batch.rl_scale, step_batch.samples, grad_norm, lr, version, str(out))
+        report = StepReport(step, loss, step_batch.rl_scale, step_batch.samples, grad_norm, lr, schedule.lr, version,
+                            str(out))
         reports.append(report)
         log(f"prime-trainer: step {step} | loss {loss:.6f} | samples {step_batch.samples} | "
-            f"tokens {step_batch.rl_scale} | grad_norm {grad_norm} | weights version {version}")
+            f"tokens {step_batch.rl_scale} | grad_norm {grad_norm} | lr {lr} | weights version {version}")
         with open(run_dir / "floe_trainer.jsonl", "a") as f:
             f.write(json.dumps(report.__dict__) + "\n")
     return reports
