@@ -1,7 +1,11 @@
 """One batch in verl's layout through verl's own actor loss (verl.workers.utils.losses.ppo_loss:
 core_algos' vanilla PPO policy loss, agg_loss, kl_penalty, entropy) and through floe's
 forward_backward with the loss floe.integrations.verl maps from the same actor config:
-the same loss and the same parameter gradients, within 1e-5. Runs in verl's environment
+the same loss and the same parameter gradients, within 1e-5. With rollout correction, verl's own
+rollout_corr_helper.compute_rollout_correction_and_rejection_mask (what verl's trainer runs)
+makes the IS weights and the rejection mask from old vs rollout log-probs; verl's loss gets them
+as `rollout_is_weights` + the modified `response_mask`, floe the same mask and A·w
+(loss_mapping.weighted_advantages, what the plugin sends). Runs in verl's environment
 (scripts/ci/verl.sh)."""
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ import pytest
 import torch
 
 from floe.convert import verl_to_batch
-from floe.integrations.verl.loss_mapping import verl_loss
+from floe.integrations.verl.loss_mapping import verl_loss, weighted_advantages
 from tests.conftest import backend_of
 
 pytestmark = pytest.mark.verl
@@ -55,7 +59,7 @@ def _nested(rows, dtype=torch.float32):
     return torch.nested.as_nested_tensor([torch.tensor(r, dtype=dtype) for r in rows], layout=torch.jagged)
 
 
-def _verl_loss(model, actor_kwargs: dict, masks, olds, advs, refs):
+def _verl_loss(model, actor_kwargs: dict, masks, olds, advs, refs, is_weights=None):
     from tensordict import TensorDict  # noqa: PLC0415 - verl's stack
     from verl.utils import tensordict_utils as tu  # noqa: PLC0415
     from verl.workers.config import FSDPActorConfig, PolicyLossConfig  # noqa: PLC0415
@@ -67,6 +71,7 @@ def _verl_loss(model, actor_kwargs: dict, masks, olds, advs, refs):
         "prompts": _nested(PROMPTS, torch.long), "responses": _nested(RESPONSES, torch.long),
         "response_mask": _nested(masks), "old_log_probs": _nested(olds), "advantages": _nested(advs),
         "ref_log_prob": _nested(refs),
+        **({"rollout_is_weights": _nested(is_weights)} if is_weights is not None else {}),
     }, batch_size=[len(PROMPTS)])
     total_mask = sum(sum(m) for m in masks)
     tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=int(total_mask), global_batch_size=len(PROMPTS))
@@ -86,24 +91,88 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("actor_kwargs", CASES, ids=[c["loss_agg_mode"] + f"-{i}" for i, c in enumerate(CASES)])
-def test_verl_ppo_loss_and_floe_agree_on_loss_and_gradients(make_client, actor_kwargs):
-    client = make_client()
-    policy = backend_of(client).policy
-    masks, olds, advs, refs = _rows(seed=len(str(actor_kwargs)))
-    # Old log-probs near the policy's own so ratios land on both sides of the clips.
+# algorithm.rollout_correction cases (verl's presets and each threshold form), each with an actor config.
+RC_CASES = [
+    ({"rollout_is": "token", "rollout_is_threshold": 1.3}, CASES[1]),  # Token-TIS, KL + entropy
+    ({"rollout_is": "sequence", "rollout_is_threshold": 2.0, "rollout_is_batch_normalize": True}, CASES[3]),
+    ({"rollout_is": "token", "rollout_is_threshold": "0.8_1.25"}, CASES[2]),  # token IcePop
+    ({"rollout_rs": "token_k1,seq_max_k2", "rollout_rs_threshold": "0.7_1.5,0.2"}, CASES[4]),
+    ({"rollout_is": "sequence", "rollout_rs": "seq_sum_k1", "rollout_rs_threshold": "0.7_1.4"}, CASES[5]),  # Seq-MIS
+    ({"rollout_is": "token", "rollout_is_threshold": 1.5, "rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.8_1.25"},
+     CASES[0]),  # Geo-RS + Token-TIS
+    ({"rollout_rs": "token_k3,seq_mean_k2", "rollout_rs_threshold": "0.05,0.04"}, CASES[0]),  # K3-RS
+]
+
+
+def _padded(rows):
+    out = torch.zeros(len(rows), max(len(r) for r in rows))
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r)
+    return out
+
+
+def _rollout_correction(rc: dict, masks, olds, rollouts):
+    """verl's own trainer-side step: IS weights (or None) and the rejected mask, as rows."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask  # noqa: PLC0415
+
+    weights, mask, metrics = compute_rollout_correction_and_rejection_mask(
+        _padded(olds), _padded(rollouts), _padded(masks), rollout_is=rc.get("rollout_is"),
+        rollout_is_threshold=rc.get("rollout_is_threshold", 2.0),
+        rollout_is_batch_normalize=rc.get("rollout_is_batch_normalize", False),
+        rollout_rs=rc.get("rollout_rs"), rollout_rs_threshold=rc.get("rollout_rs_threshold"))
+    lengths = [len(r) for r in RESPONSES]
+    w = None if weights is None else [weights.batch["rollout_is_weights"][i, :k].tolist() for i, k in enumerate(lengths)]
+    return w, [mask[i, :k].tolist() for i, k in enumerate(lengths)], metrics
+
+
+def _near_policy(policy, olds, refs, spread=0.3):
+    """Old (and ref) log-probs near the policy's own so ratios land on both sides of the clips."""
     with torch.no_grad():
         current, _ = _full_sequence_outputs(policy.model, TEMPERATURE)
     offset = 0
     for i, (p, r) in enumerate(zip(PROMPTS, RESPONSES)):
         start = offset + len(p) - 1
         cur = current[start : start + len(r)].tolist()
-        olds[i] = [c + 0.3 * (o + 3.5) for c, o in zip(cur, olds[i])]
+        olds[i] = [c + spread * (o + 3.5) for c, o in zip(cur, olds[i])]
         refs[i] = [c + 0.2 * (x + 3.5) for c, x in zip(cur, refs[i])]
         offset += len(p) + len(r)
 
-    mapped = verl_loss({"policy_loss": {"loss_mode": "vanilla"}, **actor_kwargs})
-    layout = verl_to_batch(PROMPTS, RESPONSES, UIDS, response_mask=masks, old_log_probs=olds, advantages=advs,
+
+@pytest.mark.parametrize("actor_kwargs", CASES, ids=[c["loss_agg_mode"] + f"-{i}" for i, c in enumerate(CASES)])
+def test_verl_ppo_loss_and_floe_agree_on_loss_and_gradients(make_client, actor_kwargs):
+    client = make_client()
+    policy = backend_of(client).policy
+    masks, olds, advs, refs = _rows(seed=len(str(actor_kwargs)))
+    _near_policy(policy, olds, refs)
+    _compare(client, policy, actor_kwargs, masks, olds, advs, refs)
+
+
+@pytest.mark.parametrize(("rc", "actor_kwargs"), RC_CASES, ids=[f"rc{i}-" + "+".join(
+    str(rc.get(k)) for k in ("rollout_is", "rollout_rs") if rc.get(k)) for i, (rc, _) in enumerate(RC_CASES)])
+def test_verl_rollout_correction_and_floe_agree_on_loss_and_gradients(make_client, rc, actor_kwargs):
+    client = make_client()
+    policy = backend_of(client).policy
+    masks, olds, advs, refs = _rows(seed=len(str(rc)))
+    _near_policy(policy, olds, refs, spread=0.6)
+    g = torch.Generator().manual_seed(len(str(actor_kwargs)))
+    rollouts = [[o + 0.35 * float(torch.randn(1, generator=g)) for o in row] for row in olds]
+    weights, rs_masks, metrics = _rollout_correction(rc, masks, olds, rollouts)
+    assert "rollout_corr/kl" in metrics  # verl's trainer logs these itself
+    if rc.get("rollout_rs"):
+        assert sum(map(sum, rs_masks)) < sum(map(sum, masks))  # some tokens are rejected ...
+        assert sum(map(sum, rs_masks)) > 0  # ... not all
+    if rc.get("rollout_is"):
+        flat = [x for row, m in zip(weights, rs_masks) for x, k in zip(row, m) if k]
+        assert max(flat) > 1.01 and min(flat) < 0.99  # weights that change the loss
+    _compare(client, policy, actor_kwargs, rs_masks, olds, advs, refs, rc=rc, is_weights=weights)
+
+
+def _compare(client, policy, actor_kwargs, masks, olds, advs, refs, rc=None, is_weights=None):
+    mapped = verl_loss({"policy_loss": {"loss_mode": "vanilla"}, **actor_kwargs},
+                       None if rc is None else {"rollout_correction": rc})
+    assert mapped.rollout_is_weights == (is_weights is not None)
+    floe_advs = weighted_advantages(advs, is_weights) if mapped.rollout_is_weights else advs
+    layout = verl_to_batch(PROMPTS, RESPONSES, UIDS, response_mask=masks, old_log_probs=olds, advantages=floe_advs,
                            ref_log_probs=refs)
     assert [len(g.samples) for g in layout.batch.groups] == [3, 2, 1]
     result = client.forward_backward(layout.batch, mapped.loss, mapped.loss_config, temperature=TEMPERATURE)
@@ -112,7 +181,7 @@ def test_verl_ppo_loss_and_floe_agree_on_loss_and_gradients(make_client, actor_k
     for p in policy.params:
         p.grad = None
 
-    verl = _verl_loss(policy.model, actor_kwargs, masks, olds, advs, refs)
+    verl = _verl_loss(policy.model, actor_kwargs, masks, olds, advs, refs, is_weights)
     verl.backward()
     assert abs(float(verl.detach()) - result.metrics["loss"]) < 1e-5, (float(verl.detach()), result.metrics["loss"])
     worst = max(float((p.grad - g).abs().max()) for p, g in zip(policy.params, floe_grads))

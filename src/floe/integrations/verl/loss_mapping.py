@@ -18,11 +18,25 @@ the loss is either mapped or refused with floe.errors.InvalidInput naming verl's
 | use_kl_loss, kl_loss_coef                     | kl.coef (0 when use_kl_loss is false)          |
 | kl_loss_type kl|k1, mse|k2, low_var_kl|k3     | kl.estimator k1 / k2 / k3 ("abs", "full", "+" refused) |
 | entropy_coeff                                 | entropy.coef (must be >= 0)                    |
+| algorithm.rollout_correction.*                | A·w_is and response_mask (`rollout_correction`) |
 
-algorithm.rollout_correction.rollout_is / rollout_rs (importance weights and rejection of
-rollout tokens) are refused; ppo_epochs, ppo_mini_batch_size and shuffle are honoured by the
-plugin's update loop (verl's own mini-batch iterator), micro-batch sizes do not change the
-numbers (floe plans its own micro-batches).
+`algorithm.rollout_correction` (verl's rollout correction, decoupled mode): verl's V1 trainer
+itself computes the importance weights and the rejection mask (rollout_corr_helper.
+compute_rollout_correction_and_add_to_batch, in `_compute_advantage`) from the trainer's
+log-probs (`old_log_probs`, floe's policy forward) and the sampler's (`rollout_log_probs`, floe's
+sampled log-probs), and writes `rollout_is_weights` and the rejected tokens' zeros into
+`response_mask`. The rejection reaches floe as zero weights (out of every denominator, as verl's
+agg_loss drops them). verl multiplies only the policy-gradient term by w_is (core_algos.
+compute_policy_loss_vanilla: pg_losses * rollout_is_weights; KL and entropy unweighted, the
+denominators from response_mask), and verl's PPO loss with dual clip is positively homogeneous
+in the advantage, so the plugin sends A·w_is as floe's advantage (`weighted_advantages`): the
+same loss and gradients, exactly. bypass_mode=true with no weights and no rejection is verl V1's
+own bypass (old log-probs = the sampler's, no policy forward); bypass with rollout_is / rollout_rs
+or loss_type=reinforce is refused (see `rollout_correction`).
+
+ppo_epochs, ppo_mini_batch_size and shuffle are honoured by the plugin's update loop (verl's own
+mini-batch iterator), micro-batch sizes do not change the numbers (floe plans its own
+micro-batches).
 """
 
 from __future__ import annotations
@@ -49,10 +63,12 @@ _KL_ESTIMATORS = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl":
 @dataclass(frozen=True)
 class VerlLoss:
     """What one verl mini-batch update asks of floe: `client.forward_backward(batch, loss,
-    loss_config)`, plus whether reference log-probs must travel (the KL term)."""
+    loss_config)`, plus whether reference log-probs must travel (the KL term) and whether
+    verl's rollout importance weights multiply the advantages (`weighted_advantages`)."""
 
     loss: str
     loss_config: dict[str, Any] = field(default_factory=dict)
+    rollout_is_weights: bool = False  # verl's trainer writes `rollout_is_weights`: fold them into A
 
     @property
     def needs_ref_logprobs(self) -> bool:
@@ -128,12 +144,7 @@ def verl_loss(actor: Mapping[str, Any], algorithm: Mapping[str, Any] | None = No
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         raise InvalidInput(f"{ACTOR}.ppo_epochs", f"must be an integer >= 1, got {epochs!r}")
 
-    correction = (algorithm or {}).get("rollout_correction") or {}
-    for key in ("rollout_is", "rollout_rs"):
-        if correction.get(key) is not None:
-            raise InvalidInput(f"{ALGORITHM}.rollout_correction.{key}",
-                               f"rollout importance weights / rejection are not supported by floe's verl plugin; "
-                               f"set it to null (got {correction[key]!r})")
+    correction = rollout_correction((algorithm or {}).get("rollout_correction"))
 
     config: dict[str, Any] = {
         "clip_low": clip_low,
@@ -145,4 +156,131 @@ def verl_loss(actor: Mapping[str, Any], algorithm: Mapping[str, Any] | None = No
     }
     if norm_length is not None:
         config["norm_length"] = norm_length
-    return VerlLoss("ppo", config)
+    return VerlLoss("ppo", config, rollout_is_weights=correction.rollout_is is not None)
+
+
+RC = f"{ALGORITHM}.rollout_correction"
+# verl 0.9.1 rollout_corr_helper.SUPPORTED_ROLLOUT_RS_OPTIONS
+ROLLOUT_RS_OPTIONS = frozenset({
+    "token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3",
+})
+# verl 0.9.1 RolloutCorrectionConfig's keys and the YAML defaults (trainer/config/algorithm/rollout_correction.yaml)
+ROLLOUT_CORRECTION_DEFAULTS: dict[str, Any] = {
+    "rollout_is": None, "rollout_is_threshold": 2.0, "rollout_is_batch_normalize": False,
+    "rollout_rs": None, "rollout_rs_threshold": None, "bypass_mode": False, "loss_type": "ppo_clip",
+}
+
+
+@dataclass(frozen=True)
+class RolloutCorrection:
+    """verl's `algorithm.rollout_correction`, validated (the keys as verl names them)."""
+
+    rollout_is: str | None = None
+    rollout_is_threshold: str | float = 2.0
+    rollout_is_batch_normalize: bool = False
+    rollout_rs: str | None = None
+    rollout_rs_threshold: str | float | None = None
+    bypass_mode: bool = False
+
+
+def _positive_numbers(spec: Any, key: str, *, pair_ok: bool) -> list[float]:
+    """A threshold as verl writes it: a positive number, or (where `pair_ok`) "lower_upper"."""
+    if isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
+        raise InvalidInput(key, f"must be a number or a string, got {spec!r}")
+    parts = str(spec).strip().split("_", 1) if isinstance(spec, str) else [str(spec)]
+    if len(parts) == 2 and not pair_ok:
+        raise InvalidInput(key, f"takes one upper bound here, not a 'lower_upper' pair, got {spec!r}")
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        raise InvalidInput(key, f"not a number or 'lower_upper' pair: {spec!r}") from None
+    if not all(math.isfinite(v) and v > 0 for v in values) or (len(values) == 2 and values[0] > values[1]):
+        raise InvalidInput(key, f"bounds must be positive and lower <= upper, got {spec!r}")
+    return values
+
+
+def rollout_correction(cfg: Mapping[str, Any] | None) -> RolloutCorrection:
+    """Validate verl 0.9.1's `algorithm.rollout_correction` (a dict, or None) for floe's plugin.
+
+    Honoured (decoupled mode, computed by verl's own trainer; see the module doc):
+    `rollout_is` token | sequence with `rollout_is_threshold` (a number: TIS, w = min(ρ, C);
+    "lower_upper": IcePop, w = ρ inside [lower, upper], else 0), `rollout_is_batch_normalize`,
+    `rollout_rs` (comma-separated options of ROLLOUT_RS_OPTIONS) with `rollout_rs_threshold`, and
+    `bypass_mode` = true on its own (old log-probs = the sampler's). Refused, naming the key:
+    unknown keys, values verl rejects, thresholds or loss_type set for a feature that is off (verl
+    would ignore them), and bypass_mode with rollout_is / rollout_rs / loss_type=reinforce: verl
+    applies those in its `bypass_mode` policy loss (core_algos.compute_policy_loss_bypass_mode)
+    from the log-probs of the policy being updated, which its V1 trainer does not run and floe's
+    plugin does not map (loss_mode must be vanilla).
+    """
+    if cfg is None:
+        return RolloutCorrection()
+    if not isinstance(cfg, Mapping):
+        raise InvalidInput(RC, f"must be a mapping, got {type(cfg).__name__}")
+    for name in cfg:
+        if name not in ROLLOUT_CORRECTION_DEFAULTS:
+            raise InvalidInput(f"{RC}.{name}", f"not a verl 0.9.1 rollout_correction key ({sorted(ROLLOUT_CORRECTION_DEFAULTS)})")
+    c = {**ROLLOUT_CORRECTION_DEFAULTS, **cfg}
+    level = c["rollout_is"]
+    if level not in (None, "token", "sequence"):
+        raise InvalidInput(f"{RC}.rollout_is", f"must be null, 'token' or 'sequence', got {level!r}")
+    threshold = c["rollout_is_threshold"]
+    if level is not None:
+        _positive_numbers(threshold, f"{RC}.rollout_is_threshold", pair_ok=True)
+    elif threshold != ROLLOUT_CORRECTION_DEFAULTS["rollout_is_threshold"]:
+        raise InvalidInput(f"{RC}.rollout_is_threshold", "has no effect with rollout_is=null; set rollout_is, or leave it at 2.0")
+    normalize = c["rollout_is_batch_normalize"]
+    if not isinstance(normalize, bool):
+        raise InvalidInput(f"{RC}.rollout_is_batch_normalize", f"must be a boolean, got {normalize!r}")
+    if normalize and level is None:
+        raise InvalidInput(f"{RC}.rollout_is_batch_normalize", "has no effect with rollout_is=null")
+    rs, rs_threshold = c["rollout_rs"], c["rollout_rs_threshold"]
+    if rs is not None:
+        options = [o.strip() for o in rs.split(",") if o.strip()] if isinstance(rs, str) else []
+        if not options or any(o not in ROLLOUT_RS_OPTIONS for o in options):
+            raise InvalidInput(f"{RC}.rollout_rs", f"comma-separated options of {sorted(ROLLOUT_RS_OPTIONS)}, got {rs!r}")
+        if rs_threshold is None:
+            raise InvalidInput(f"{RC}.rollout_rs_threshold", "is required when rollout_rs is set")
+        specs = [s.strip() for s in rs_threshold.split(",") if s.strip()] if isinstance(rs_threshold, str) else [rs_threshold]
+        unique = list(dict.fromkeys(options))
+        if len(specs) not in (1, len(unique)):
+            raise InvalidInput(f"{RC}.rollout_rs_threshold", f"one threshold for all options or one per option ({len(unique)}), got {rs_threshold!r}")
+        for option, spec in zip(unique, specs * len(unique) if len(specs) == 1 else specs):
+            _positive_numbers(spec, f"{RC}.rollout_rs_threshold", pair_ok=option.endswith("k1"))
+    elif rs_threshold is not None:
+        raise InvalidInput(f"{RC}.rollout_rs_threshold", "has no effect with rollout_rs=null")
+    bypass, loss_type = c["bypass_mode"], c["loss_type"]
+    if not isinstance(bypass, bool):
+        raise InvalidInput(f"{RC}.bypass_mode", f"must be a boolean, got {bypass!r}")
+    if loss_type not in ("ppo_clip", "reinforce"):
+        raise InvalidInput(f"{RC}.loss_type", f"must be 'ppo_clip' or 'reinforce', got {loss_type!r}")
+    if loss_type != "ppo_clip":
+        raise InvalidInput(f"{RC}.loss_type", "'reinforce' is verl's bypass_mode policy loss (compute_policy_loss_bypass_mode), "
+                           "which floe's verl plugin does not map; use ppo_clip")
+    if bypass and (level is not None or rs is not None):
+        key = "rollout_is" if level is not None else "rollout_rs"
+        raise InvalidInput(f"{RC}.{key}", "with bypass_mode=true verl computes the weights / rejection inside its bypass_mode "
+                           "policy loss from the policy being updated (compute_policy_loss_bypass_mode), which floe's verl "
+                           "plugin does not run; use bypass_mode=false (decoupled: verl's trainer computes them once per batch)")
+    return RolloutCorrection(level, threshold, normalize, rs, rs_threshold, bypass)
+
+
+def weighted_advantages(advantages: list[list[float]], weights: list[list[float]]) -> list[list[float]]:
+    """verl's rollout IS weights folded into the advantages, per row and token: A'_t = A_t·w_t.
+
+    Exact for verl's vanilla PPO loss: w ≥ 0 and ℓ_ppo(w·A) = w·ℓ_ppo(A), dual clip included
+    (min(r·wA, clip(r)·wA) = w·min(r·A, clip(r)·A), and for A < 0 the cap −c·wA = w·(−c·A)), which is
+    verl's `pg_losses * rollout_is_weights` (core_algos.compute_policy_loss_vanilla); the KL and
+    entropy terms stay unweighted, as in verl. Rows are ragged lists of equal lengths pairwise.
+    """
+    if len(advantages) != len(weights):
+        raise InvalidInput("rollout_is_weights", f"{len(weights)} rows for {len(advantages)} rows of advantages")
+    out = []
+    for a, w in zip(advantages, weights):
+        if len(a) != len(w):
+            raise InvalidInput("rollout_is_weights", f"a row of {len(w)} weights for {len(a)} advantages")
+        if any(not (x >= 0) for x in w):
+            raise InvalidInput("rollout_is_weights", "verl's rollout IS weights must be >= 0")
+        out.append([x * y for x, y in zip(a, w)])
+    return out

@@ -48,7 +48,7 @@ from floe.convert import RowLayout, verl_sequence_values, verl_to_batch
 from floe.errors import InvalidInput
 from floe.integrations.verl.backend_config import floe_target
 from floe.integrations.verl.local_server import LocalServer
-from floe.integrations.verl.loss_mapping import VerlLoss, verl_loss
+from floe.integrations.verl.loss_mapping import VerlLoss, verl_loss, weighted_advantages
 from floe.integrations.verl.rollout_mapping import floe_sampling_params
 from floe.integrations.verl.schedule import VerlSchedule
 
@@ -132,17 +132,25 @@ class FloeWorkerGroup:
     def update_actor(self, batch: Any) -> dict[str, Any]:
         """verl's PPO update: its mini-batches (same size, epochs, seed and shuffle as verl's
         own iterator), each one floe forward_backward + optim_step at verl's scheduled rate for
-        this step; then verl's scheduler advances once (schedule.py), and `lr` reports the new
+        this step (with verl's rollout IS weights, when its trainer wrote them, folded into the
+        advantages: loss_mapping.weighted_advantages); then verl's scheduler advances once (schedule.py), and `lr` reports the new
         rate as verl's engine does (`floe/applied_lr`, logged as actor/floe/applied_lr: the rate the
         steps ran at)."""
         info = batch.extra_info
         extra = ["response_mask", "old_log_probs", "advantages"]
         if self.loss.needs_ref_logprobs:
             extra.append("ref_log_prob")
+        if self.loss.rollout_is_weights:
+            if batch.fields is not None and "rollout_is_weights" not in batch.fields:
+                raise InvalidInput("algorithm.rollout_correction.rollout_is",
+                                   "verl's trainer wrote no rollout_is_weights (the batch has no rollout_log_probs)")
+            extra.append("rollout_is_weights")
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
                                select_fields=["prompts", "responses", "uid", *extra])
         prompts, responses, uids = _rows(data, "prompts"), _rows(data, "responses"), _non_tensor(data, "uid")
         per_token = {name: _rows(data, name) for name in extra}
+        if self.loss.rollout_is_weights:  # verl's pg_losses * rollout_is_weights, as A·w (loss_mapping)
+            per_token["advantages"] = weighted_advantages(per_token["advantages"], per_token["rollout_is_weights"])
         n = len(uids)
         mini = int(info.get("mini_batch_size") or n)
         order = TensorDict({"row": torch.arange(n)}, batch_size=[n])
