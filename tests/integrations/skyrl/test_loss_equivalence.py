@@ -6,7 +6,8 @@ left-padded `sequences` as SkyRL's model wrapper does (position ids = cumsum(mas
 temperature-scaled logits, the last R positions); the advantages are pre-scaled by
 `apply_loss_reduction_to_advantages_minibatch`; the loss is `PolicyLossRegistry`'s function
 plus `compute_approx_kl` + `masked_mean` (KL) or the masked entropy mean, as the worker adds
-them. floe side: the plugin's own `FloeDispatch.forward_backward` on an embedded backend built
+them; with `off_policy_correction.*` set, the policy loss function itself applies SkyRL's
+correction to the rollout log-probs it is given. floe side: the plugin's own `FloeDispatch.forward_backward` on an embedded backend built
 from the same model, whose policy gradients are then compared parameter by parameter.
 """
 
@@ -33,6 +34,23 @@ CASES = [
     ("cispo", "seq_mean_token_sum_norm", {"use_kl_loss": False}),
     ("regular", "prompt_mean", {"use_kl_loss": False, "use_entropy_loss": True, "entropy_loss_coef": 0.05}),
 ]
+OPC = "off_policy_correction."
+# Off-policy correction (SkyRL's compute_off_policy_correction inside its policy losses): each mode once.
+OFF_POLICY_CASES = [
+    ("regular", "token_mean", {"use_kl_loss": True, "kl_loss_coef": 0.1, OPC + "tis_ratio_type": "token",
+                               OPC + "token_tis_ratio_clip_high": 1.2}),
+    ("dual_clip", "sequence_mean", {"use_kl_loss": True, "kl_loss_coef": 0.05, "kl_estimator_type": "k2",
+                                    OPC + "tis_ratio_type": "sequence", OPC + "sequence_tis_ratio_clip_high": 1.5,
+                                    OPC + "sequence_mask_metric": "geometric", OPC + "geo_mask_low": 0.9,
+                                    OPC + "geo_mask_high": 1.1}),
+    ("gspo", "sequence_mean", {"use_kl_loss": False, OPC + "tis_ratio_type": "token", OPC + "token_tis_ratio_clip_high": 1.3,
+                               OPC + "token_mask_is_threshold_low": 0.8, OPC + "token_mask_is_threshold_high": 1.25}),
+    ("cispo", "seq_mean_token_sum_norm", {"use_kl_loss": False, OPC + "sequence_mask_metric": "product",
+                                          OPC + "product_mask_low": 0.6, OPC + "product_mask_high": 1.6,
+                                          OPC + "outlier_token_is_threshold_high": 1.5}),
+    ("regular", "prompt_mean", {"use_kl_loss": False, "use_entropy_loss": True, "entropy_loss_coef": 0.05,
+                                OPC + "outlier_token_is_threshold_low": 0.7, OPC + "tis_ratio_type": "token"}),
+]
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +69,9 @@ def skyrl_cfg(loss_type: str, reduction: str, extra: dict):
     return SkyRLTrainConfig.from_cli_overrides(args)
 
 
-@pytest.mark.parametrize(("loss_type", "reduction", "extra"), CASES)
+@pytest.mark.parametrize(("loss_type", "reduction", "extra"), CASES + OFF_POLICY_CASES,
+                         ids=[f"{c[0]}-{c[1]}" + ("-opc" if any(k.startswith(OPC) for k in c[2]) else "")
+                              for c in CASES + OFF_POLICY_CASES])
 def test_skyrl_loss_and_gradients_match_floe(model_path: Path, loss_type: str, reduction: str, extra: dict) -> None:
     # imports marked PLC0415: SkyRL only exists in its own environment (marker skyrl)
     from dataclasses import asdict  # noqa: PLC0415
@@ -91,10 +111,20 @@ def test_skyrl_loss_and_gradients_match_floe(model_path: Path, loss_type: str, r
     with torch.no_grad():
         old = (logp + (torch.rand(logp.shape, generator=g) - 0.5) * 0.4) * resp
         ref = (logp + (torch.rand(logp.shape, generator=g) - 0.5) * 0.6) * resp
+        rollout = (old + torch.randn(old.shape, generator=g) * 0.3) * resp  # the sampler's log-probs
     adv = torch.tensor([[1.3], [-0.7], [0.4], [-1.1]]).expand(-1, width) * resp
+    if any(k.startswith(OPC) for k in extra):  # the correction bites: weights != 1 and/or rejected tokens
+        from skyrl.backends.skyrl_train.utils.off_policy_correction_utils import (  # noqa: PLC0415
+            compute_off_policy_correction,
+        )
+        tis, _, corrected = compute_off_policy_correction(old, rollout, loss_mask, algo.off_policy_correction)
+        assert tis is not None or bool((corrected < loss_mask).any())
+        assert tis is None or bool(((tis - 1).abs() > 0.01).any())
+        assert corrected.sum() > 0
     adv_pre = apply_loss_reduction_to_advantages_minibatch(adv, loss_mask, reduction, micro_batch_size=4, max_seq_len=9,
                                                            prompt_boundaries=[(0, 2), (2, 4)])
-    policy_loss, _ = PolicyLossRegistry.get(loss_type)(logp, old, adv_pre, config=algo, loss_mask=loss_mask)
+    policy_loss, _ = PolicyLossRegistry.get(loss_type)(logp, old, adv_pre, config=algo, loss_mask=loss_mask,
+                                                       rollout_logprobs=rollout)
     total = policy_loss
     if algo.use_kl_loss:
         kl = compute_approx_kl(logp, ref, loss_mask=loss_mask, kl_estimator_type=algo.kl_estimator_type)
@@ -106,7 +136,8 @@ def test_skyrl_loss_and_gradients_match_floe(model_path: Path, loss_type: str, r
 
     # -- floe through the plugin's dispatch ---------------------------------------------------------
     data = TrainingInputBatch({"sequences": seq, "attention_mask": att, "response_mask": resp, "loss_mask": loss_mask,
-                               "advantages": adv_pre, "action_log_probs": old, "base_action_log_probs": ref})
+                               "advantages": adv_pre, "action_log_probs": old, "base_action_log_probs": ref,
+                               "rollout_logprobs": rollout})
     data.metadata = {"response_length": width}
     client = floe.connect(floe.BackendConfig(model=str(model_path), state_dir=str(model_path.parent / "states")))
     try:
