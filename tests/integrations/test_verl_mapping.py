@@ -10,7 +10,7 @@ import pytest
 import floe
 from floe.integrations.verl.backend_config import floe_target
 from floe.integrations.verl.local_server import to_toml
-from floe.integrations.verl.loss_mapping import verl_loss
+from floe.integrations.verl.loss_mapping import ROLLOUT_CORRECTION_DEFAULTS, verl_loss, weighted_advantages
 from floe.integrations.verl.rollout_mapping import floe_sampling_params
 
 # verl 0.9.1's actor defaults (verl/trainer/config/actor/actor.yaml) for the keys the loss reads.
@@ -78,14 +78,74 @@ def test_clips_entropy_and_the_clip_ratio_fallback():
         ({"ppo_epochs": 0}, None, "actor_rollout_ref.actor.ppo_epochs"),
         ({"loss_agg_mode": "seq-mean-token-sum-norm", "loss_scale_factor": 0}, None,
          "actor_rollout_ref.actor.loss_scale_factor"),
-        ({}, {"rollout_correction": {"rollout_is": "token"}}, "algorithm.rollout_correction.rollout_is"),
-        ({}, {"rollout_correction": {"rollout_rs": "seq"}}, "algorithm.rollout_correction.rollout_rs"),
     ],
 )
 def test_what_floe_cannot_honour_is_refused_by_its_verl_key(changes, algorithm, field):
     with pytest.raises(floe.InvalidInput) as info:
         verl_loss(actor(**changes), algorithm)
     assert info.value.field == field
+
+
+RC = "algorithm.rollout_correction"
+# verl 0.9.1's YAML block (trainer/config/algorithm/rollout_correction.yaml, as main_ppo resolves it)
+VERL_RC_DEFAULTS = {"rollout_is": None, "rollout_is_threshold": 2.0, "rollout_rs": None, "rollout_rs_threshold": None,
+                    "bypass_mode": False, "loss_type": "ppo_clip", "rollout_is_batch_normalize": False}
+
+
+def test_rollout_correction_keys_are_verls():
+    assert ROLLOUT_CORRECTION_DEFAULTS == VERL_RC_DEFAULTS
+
+
+@pytest.mark.parametrize(("rc", "weights"), [
+    ({}, False),
+    (VERL_RC_DEFAULTS, False),  # metrics only: verl's trainer still logs rollout_corr/*
+    ({"rollout_is": "token"}, True),  # decoupled_token_is
+    ({"rollout_is": "sequence", "rollout_is_threshold": 5.0, "rollout_is_batch_normalize": True}, True),
+    ({"rollout_is": "token", "rollout_is_threshold": "0.5_5.0"}, True),  # decoupled_token_icepop
+    ({"rollout_is": "sequence", "rollout_rs": "seq_sum_k1", "rollout_rs_threshold": "0.5_2.0"}, True),  # seq_is_rs
+    ({"rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.999_1.001"}, False),  # decoupled_geo_rs
+    ({"rollout_rs": "seq_mean_k3", "rollout_rs_threshold": 0.01}, False),  # decoupled_k3_rs
+    ({"rollout_rs": "token_k1,seq_max_k2", "rollout_rs_threshold": "0.5_2.0,0.3"}, False),
+    ({"rollout_rs": "token_k2,seq_sum_k3", "rollout_rs_threshold": 0.2}, False),  # one threshold for both
+    ({"bypass_mode": True}, False),  # bypass_ppo_clip: old log-probs = the sampler's
+])
+def test_rollout_correction_takes_effect(rc, weights):
+    loss = verl_loss(actor(), {"rollout_correction": rc})
+    assert loss.rollout_is_weights is weights
+    assert loss.loss_config == verl_loss(actor()).loss_config  # the PPO loss itself is unchanged
+
+
+@pytest.mark.parametrize(("rc", "key"), [
+    ({"rollout_is": "tokens"}, "rollout_is"),
+    ({"rollout_is": "token", "rollout_is_threshold": 0}, "rollout_is_threshold"),
+    ({"rollout_is": "token", "rollout_is_threshold": "5.0_0.5"}, "rollout_is_threshold"),
+    ({"rollout_is": "token", "rollout_is_threshold": "two"}, "rollout_is_threshold"),
+    ({"rollout_is_threshold": 3.0}, "rollout_is_threshold"),  # no effect without rollout_is
+    ({"rollout_is_batch_normalize": True}, "rollout_is_batch_normalize"),
+    ({"rollout_rs": "seq"}, "rollout_rs"),
+    ({"rollout_rs": "seq_max_k1", "rollout_rs_threshold": "0.5_2.0"}, "rollout_rs"),  # verl has no seq_max_k1
+    ({"rollout_rs": "token_k1"}, "rollout_rs_threshold"),
+    ({"rollout_rs": "token_k2", "rollout_rs_threshold": "0.1_0.3"}, "rollout_rs_threshold"),  # k2/k3: upper only
+    ({"rollout_rs": "token_k1,token_k2,seq_sum_k3", "rollout_rs_threshold": "2.0,0.1"}, "rollout_rs_threshold"),
+    ({"rollout_rs_threshold": 0.1}, "rollout_rs_threshold"),
+    ({"loss_type": "reinforce", "bypass_mode": True}, "loss_type"),
+    ({"loss_type": "dpo"}, "loss_type"),
+    ({"bypass_mode": True, "rollout_is": "sequence"}, "rollout_is"),  # bypass_pg_is's weights: refused
+    ({"bypass_mode": True, "rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.999_1.001"}, "rollout_rs"),
+    ({"bypass_mode": "yes"}, "bypass_mode"),
+    ({"veto_threshold": 1e-4}, "veto_threshold"),
+])
+def test_rollout_correction_refusals_name_the_key(rc, key):
+    with pytest.raises(floe.InvalidInput) as info:
+        verl_loss(actor(), {"rollout_correction": rc})
+    assert info.value.field == f"{RC}.{key}"
+
+
+def test_weighted_advantages_scale_each_token():
+    assert weighted_advantages([[1.0, -2.0], [0.5]], [[2.0, 0.0], [1.5]]) == [[2.0, -0.0], [0.75]]
+    for bad in ([[1.0]], [[1.0, 1.0], [-1.0]]):
+        with pytest.raises(floe.InvalidInput):
+            weighted_advantages([[1.0, -2.0], [0.5]], bad)
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",

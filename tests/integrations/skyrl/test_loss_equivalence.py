@@ -152,3 +152,16 @@ def test_skyrl_loss_and_gradients_match_floe(model_path: Path, loss_type: str, r
     diff = torch.sqrt(sum(((floe_grads[n] - skyrl_grads[n]) ** 2).sum() for n in skyrl_grads))
     norm = torch.sqrt(sum((skyrl_grads[n] ** 2).sum() for n in skyrl_grads))
     assert norm > 0 and float(diff / norm) < 1e-5, (float(diff), float(norm))
+
+
+def test_floes_off_policy_table_is_skyrls() -> None:
+    """The keys and defaults mapping.off_policy_correction validates against are SkyRL's own."""
+    from dataclasses import asdict  # noqa: PLC0415
+
+    from skyrl.train.config.config import AlgorithmConfig, OffPolicyCorrectionConfig  # noqa: PLC0415
+
+    from floe.integrations.skyrl.mapping import DEPRECATED_TIS, OFF_POLICY_DEFAULTS  # noqa: PLC0415
+
+    assert asdict(OffPolicyCorrectionConfig()) == OFF_POLICY_DEFAULTS
+    algo = asdict(AlgorithmConfig())
+    assert {k: algo[k] for k in DEPRECATED_TIS} == DEPRECATED_TIS

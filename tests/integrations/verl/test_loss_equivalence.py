@@ -10,6 +10,8 @@ as `rollout_is_weights` + the modified `response_mask`, floe the same mask and A
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -187,3 +189,20 @@ def _compare(client, policy, actor_kwargs, masks, olds, advs, refs, rc=None, is_
     worst = max(float((p.grad - g).abs().max()) for p, g in zip(policy.params, floe_grads))
     assert worst < 1e-5, worst
     assert max(float(g.abs().max()) for g in floe_grads) > 1e-4  # gradients are not trivially zero
+
+
+def test_floes_rollout_correction_tables_are_verls():
+    """The keys, YAML defaults and rejection options loss_mapping validates against are verl's own."""
+    from dataclasses import fields  # noqa: PLC0415
+
+    from omegaconf import OmegaConf  # noqa: PLC0415
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig  # noqa: PLC0415
+    from verl.trainer.ppo import rollout_corr_helper  # noqa: PLC0415
+
+    from floe.integrations.verl.loss_mapping import ROLLOUT_CORRECTION_DEFAULTS, ROLLOUT_RS_OPTIONS  # noqa: PLC0415
+
+    assert {f.name for f in fields(RolloutCorrectionConfig)} - {"_target_"} == set(ROLLOUT_CORRECTION_DEFAULTS)
+    assert rollout_corr_helper.SUPPORTED_ROLLOUT_RS_OPTIONS == ROLLOUT_RS_OPTIONS
+    yaml = Path(rollout_corr_helper.__file__).parents[1] / "config" / "_generated_ppo_trainer.yaml"
+    block = OmegaConf.to_container(OmegaConf.load(yaml).algorithm.rollout_correction)
+    assert block == ROLLOUT_CORRECTION_DEFAULTS

@@ -219,9 +219,9 @@ def rollout_correction(cfg: Mapping[str, Any] | None) -> RolloutCorrection:
     if not isinstance(cfg, Mapping):
         raise InvalidInput(RC, f"must be a mapping, got {type(cfg).__name__}")
     for name in cfg:
-        if name not in ROLLOUT_CORRECTION_DEFAULTS:
+        if name not in ROLLOUT_CORRECTION_DEFAULTS and name != "_target_":  # hydra's class tag, no setting
             raise InvalidInput(f"{RC}.{name}", f"not a verl 0.9.1 rollout_correction key ({sorted(ROLLOUT_CORRECTION_DEFAULTS)})")
-    c = {**ROLLOUT_CORRECTION_DEFAULTS, **cfg}
+    c = {**ROLLOUT_CORRECTION_DEFAULTS, **{k: v for k, v in cfg.items() if k != "_target_"}}
     level = c["rollout_is"]
     if level not in (None, "token", "sequence"):
         raise InvalidInput(f"{RC}.rollout_is", f"must be null, 'token' or 'sequence', got {level!r}")
