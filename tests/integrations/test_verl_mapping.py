@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 import floe
+import floe.compute.losses
 from floe.integrations.verl.backend_config import floe_target
 from floe.integrations.verl.local_server import to_toml
 from floe.integrations.verl.loss_mapping import ROLLOUT_CORRECTION_DEFAULTS, verl_loss, weighted_advantages
@@ -139,6 +140,45 @@ def test_rollout_correction_refusals_name_the_key(rc, key):
     with pytest.raises(floe.InvalidInput) as info:
         verl_loss(actor(), {"rollout_correction": rc})
     assert info.value.field == f"{RC}.{key}"
+
+
+BYPASS = {"rollout_correction": {"bypass_mode": True}}
+
+
+@pytest.mark.parametrize(("rc", "loss"), [
+    (None, "ppo"),  # the dataclass defaults: ppo_clip (sequence IS weights for metrics only)
+    ({"rollout_is": None, "rollout_rs": "seq_mean_k3", "rollout_rs_threshold": 0.01}, "ppo"),  # bypass_ppo_clip_k3_rs
+    ({"loss_type": "reinforce"}, "dro"),  # bypass_pg_is: -A·logp·w
+    ({"loss_type": "reinforce", "rollout_is": "token", "rollout_is_threshold": "0.5_5.0"}, "dro"),  # bypass_pg_token_icepop
+    ({"loss_type": "reinforce", "rollout_is": None, "rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.999_1.001"},
+     "dro"),  # bypass_pg_geo_rs
+])
+def test_bypass_mode_loss_maps(rc, loss):
+    policy_loss = {"loss_mode": "bypass_mode", **({} if rc is None else {"rollout_correction": rc})}
+    mapped = verl_loss(actor(policy_loss=policy_loss, use_kl_loss=True, kl_loss_coef=0.1), BYPASS)
+    assert mapped.loss == loss and mapped.bypass is not None and not mapped.rollout_is_weights
+    assert mapped.bypass.rollout_is == ("sequence" if rc is None else rc.get("rollout_is", "sequence"))
+    if loss == "dro":  # no ratio, no clip: the policy's own log-prob times A·w
+        assert mapped.loss_config == {"aggregation": "token_mean", "kl": {"coef": 0.1, "estimator": "k3"},
+                                      "entropy": {"coef": 0.0}, "beta": 0.0}
+    floe.compute.losses.resolve_loss(mapped.loss, mapped.loss_config)
+
+
+@pytest.mark.parametrize(("policy_loss", "algorithm", "field"), [
+    ({"loss_mode": "bypass_mode"}, None, "actor_rollout_ref.actor.policy_loss.loss_mode"),  # needs the trainer's bypass
+    ({"loss_mode": "vanilla", "rollout_correction": {"rollout_is": "token"}}, BYPASS,
+     "actor_rollout_ref.actor.policy_loss.rollout_correction"),
+    ({"loss_mode": "bypass_mode", "rollout_correction": {"loss_type": "reinforce", "rollout_is_batch_normalize": True}},
+     BYPASS, "actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_is_batch_normalize"),
+    ({"loss_mode": "bypass_mode", "rollout_correction": {"loss_type": "a2c"}}, BYPASS,
+     "actor_rollout_ref.actor.policy_loss.rollout_correction.loss_type"),
+    ({"loss_mode": "bypass_mode", "rollout_correction": {"rollout_rs": "token_k9", "rollout_rs_threshold": 1.0}}, BYPASS,
+     "actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_rs"),
+])
+def test_bypass_mode_refusals_name_the_key(policy_loss, algorithm, field):
+    with pytest.raises(floe.InvalidInput) as info:
+        verl_loss(actor(policy_loss=policy_loss), algorithm)
+    assert info.value.field == field
 
 
 def test_weighted_advantages_scale_each_token():

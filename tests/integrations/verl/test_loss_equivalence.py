@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from floe.convert import verl_to_batch
+from floe.convert import pad_rows, verl_to_batch
 from floe.integrations.verl.loss_mapping import verl_loss, weighted_advantages
 from tests.conftest import backend_of
 
@@ -61,14 +61,17 @@ def _nested(rows, dtype=torch.float32):
     return torch.nested.as_nested_tensor([torch.tensor(r, dtype=dtype) for r in rows], layout=torch.jagged)
 
 
-def _verl_loss(model, actor_kwargs: dict, masks, olds, advs, refs, is_weights=None):
+def _verl_loss(model, actor_kwargs: dict, masks, olds, advs, refs, is_weights=None, bypass=None):
     from tensordict import TensorDict  # noqa: PLC0415 - verl's stack
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig  # noqa: PLC0415
     from verl.utils import tensordict_utils as tu  # noqa: PLC0415
     from verl.workers.config import FSDPActorConfig, PolicyLossConfig  # noqa: PLC0415
     from verl.workers.utils.losses import ppo_loss  # noqa: PLC0415
 
+    policy_loss = (PolicyLossConfig(loss_mode="vanilla") if bypass is None else
+                   PolicyLossConfig(loss_mode="bypass_mode", rollout_correction=RolloutCorrectionConfig(**bypass)))
     config = FSDPActorConfig(strategy="fsdp", ppo_mini_batch_size=len(PROMPTS), ppo_micro_batch_size_per_gpu=len(PROMPTS),
-                             rollout_n=1, policy_loss=PolicyLossConfig(loss_mode="vanilla"), **actor_kwargs)
+                             rollout_n=1, policy_loss=policy_loss, **actor_kwargs)
     data = TensorDict({
         "prompts": _nested(PROMPTS, torch.long), "responses": _nested(RESPONSES, torch.long),
         "response_mask": _nested(masks), "old_log_probs": _nested(olds), "advantages": _nested(advs),
@@ -106,19 +109,12 @@ RC_CASES = [
 ]
 
 
-def _padded(rows):
-    out = torch.zeros(len(rows), max(len(r) for r in rows))
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r)
-    return out
-
-
 def _rollout_correction(rc: dict, masks, olds, rollouts):
     """verl's own trainer-side step: IS weights (or None) and the rejected mask, as rows."""
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask  # noqa: PLC0415
 
     weights, mask, metrics = compute_rollout_correction_and_rejection_mask(
-        _padded(olds), _padded(rollouts), _padded(masks), rollout_is=rc.get("rollout_is"),
+        pad_rows(olds), pad_rows(rollouts), pad_rows(masks), rollout_is=rc.get("rollout_is"),
         rollout_is_threshold=rc.get("rollout_is_threshold", 2.0),
         rollout_is_batch_normalize=rc.get("rollout_is_batch_normalize", False),
         rollout_rs=rc.get("rollout_rs"), rollout_rs_threshold=rc.get("rollout_rs_threshold"))
@@ -169,21 +165,64 @@ def test_verl_rollout_correction_and_floe_agree_on_loss_and_gradients(make_clien
     _compare(client, policy, actor_kwargs, rs_masks, olds, advs, refs, rc=rc, is_weights=weights)
 
 
-def _compare(client, policy, actor_kwargs, masks, olds, advs, refs, rc=None, is_weights=None):
-    mapped = verl_loss({"policy_loss": {"loss_mode": "vanilla"}, **actor_kwargs},
-                       None if rc is None else {"rollout_correction": rc})
+# actor.policy_loss.rollout_correction for verl's bypass_mode loss (algorithm.rollout_correction.bypass_mode=true).
+BYPASS_CASES = [
+    ({"rollout_is": None, "rollout_rs": "token_k1", "rollout_rs_threshold": "0.7_1.4"}, CASES[1]),  # ppo_clip + RS
+    ({"rollout_is": None, "rollout_rs": "seq_mean_k3", "rollout_rs_threshold": 0.045}, CASES[3]),  # bypass_ppo_clip_k3_rs
+    # token-level rejection under seq-mean-token-mean: verl divides each row's policy term by its kept tokens
+    ({"rollout_is": None, "rollout_rs": "token_k2", "rollout_rs_threshold": 0.03}, CASES[3]),
+    ({"loss_type": "reinforce", "rollout_is": "sequence", "rollout_is_threshold": 2.0}, CASES[2]),  # bypass_pg_is
+    ({"loss_type": "reinforce", "rollout_is": "token", "rollout_is_threshold": "0.8_1.25",  # token IcePop + Geo-RS
+      "rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.85_1.15"}, CASES[3]),
+    ({"loss_type": "reinforce", "rollout_is": "token", "rollout_is_threshold": 1.3, "rollout_rs": "token_k2",
+      "rollout_rs_threshold": 0.05}, CASES[5]),
+]
+
+
+@pytest.mark.parametrize(("bypass", "actor_kwargs"), BYPASS_CASES, ids=[f"bypass{i}-{b.get('loss_type', 'ppo_clip')}"
+                                                                        for i, (b, _) in enumerate(BYPASS_CASES)])
+def test_verl_bypass_mode_loss_and_floe_agree_on_loss_and_gradients(make_client, bypass, actor_kwargs):
+    """verl's bypass_mode loss (old log-probs = the sampler's; correction from the current policy
+    inside the loss) vs floe: the plugin's forward at the current weights + bypass.bypass_advantages."""
+    from floe.integrations.verl.bypass import bypass_advantages  # noqa: PLC0415 - imports verl
+
+    client = make_client()
+    policy = backend_of(client).policy
+    masks, rollouts, advs, refs = _rows(seed=len(str(bypass)))
+    _near_policy(policy, rollouts, refs, spread=0.6)
+    mapped = verl_loss({"policy_loss": {"loss_mode": "bypass_mode", "rollout_correction": bypass}, **actor_kwargs},
+                       {"rollout_correction": {"bypass_mode": True}})
+    assert mapped.loss == ("dro" if bypass.get("loss_type") == "reinforce" else "ppo")
+    layout = verl_to_batch(PROMPTS, RESPONSES, UIDS)
+    current = layout.per_row(client.forward(layout.batch, temperature=TEMPERATURE).logprobs)
+    floe_advs, metrics = bypass_advantages(mapped.bypass, mapped.loss_config["aggregation"], current, rollouts, masks, advs)
+    assert "rollout_corr/kl" in metrics
+    if bypass.get("rollout_rs"):  # the rejection bites, not everywhere
+        rejected = metrics[f"rollout_corr/rollout_rs_{bypass['rollout_rs']}_masked_fraction"]
+        assert 0 < rejected < 1, rejected
+    _compare(client, policy, actor_kwargs, masks, rollouts, advs, refs, bypass=bypass, floe_advs=floe_advs,
+             algorithm={"rollout_correction": {"bypass_mode": True}})
+
+
+def _compare(client, policy, actor_kwargs, masks, olds, advs, refs, rc=None, is_weights=None, bypass=None,
+             floe_advs=None, algorithm=None):
+    policy_loss = {"loss_mode": "vanilla"} if bypass is None else {"loss_mode": "bypass_mode", "rollout_correction": bypass}
+    mapped = verl_loss({"policy_loss": policy_loss, **actor_kwargs},
+                       algorithm if rc is None else {"rollout_correction": rc})
     assert mapped.rollout_is_weights == (is_weights is not None)
-    floe_advs = weighted_advantages(advs, is_weights) if mapped.rollout_is_weights else advs
+    if floe_advs is None:
+        floe_advs = weighted_advantages(advs, is_weights) if mapped.rollout_is_weights else advs
     layout = verl_to_batch(PROMPTS, RESPONSES, UIDS, response_mask=masks, old_log_probs=olds, advantages=floe_advs,
                            ref_log_probs=refs)
     assert [len(g.samples) for g in layout.batch.groups] == [3, 2, 1]
     result = client.forward_backward(layout.batch, mapped.loss, mapped.loss_config, temperature=TEMPERATURE)
     floe_grads = [p.grad.detach().clone() for p in policy.params]
-    assert result.metrics["clip_fraction"] > 0  # the clip is exercised
+    if mapped.loss == "ppo":
+        assert result.metrics["clip_fraction"] > 0  # the clip is exercised
     for p in policy.params:
         p.grad = None
 
-    verl = _verl_loss(policy.model, actor_kwargs, masks, olds, advs, refs, is_weights)
+    verl = _verl_loss(policy.model, actor_kwargs, masks, olds, advs, refs, is_weights, bypass)
     verl.backward()
     assert abs(float(verl.detach()) - result.metrics["loss"]) < 1e-5, (float(verl.detach()), result.metrics["loss"])
     worst = max(float((p.grad - g).abs().max()) for p, g in zip(policy.params, floe_grads))

@@ -69,6 +69,8 @@ class VerlLoss:
     loss: str
     loss_config: dict[str, Any] = field(default_factory=dict)
     rollout_is_weights: bool = False  # verl's trainer writes `rollout_is_weights`: fold them into A
+    # loss_mode=bypass_mode: verl's bypass correction, from each mini-batch's current log-probs (bypass.py)
+    bypass: RolloutCorrection | None = None
 
     @property
     def needs_ref_logprobs(self) -> bool:
@@ -94,9 +96,12 @@ def verl_loss(actor: Mapping[str, Any], algorithm: Mapping[str, Any] | None = No
         raise InvalidInput(ACTOR, f"must be a mapping, got {type(actor).__name__}")
     policy_loss = actor.get("policy_loss") or {}
     mode = policy_loss.get("loss_mode", "vanilla")
-    if mode != "vanilla":
+    if mode not in ("vanilla", "bypass_mode"):
         raise InvalidInput(f"{ACTOR}.policy_loss.loss_mode",
-                           f"floe maps verl's 'vanilla' PPO loss only, got {mode!r}; use loss_mode=vanilla")
+                           f"floe maps verl's 'vanilla' PPO loss and its 'bypass_mode' loss only, got {mode!r}")
+    for name in policy_loss:
+        if name == "rollout_correction" and mode != "bypass_mode":
+            raise InvalidInput(f"{ACTOR}.policy_loss.rollout_correction", "is read only by loss_mode=bypass_mode")
 
     clip = _number(actor, "clip_ratio", 0.2)
     clip_low = _number(actor, "clip_ratio_low", None)
@@ -145,6 +150,12 @@ def verl_loss(actor: Mapping[str, Any], algorithm: Mapping[str, Any] | None = No
         raise InvalidInput(f"{ACTOR}.ppo_epochs", f"must be an integer >= 1, got {epochs!r}")
 
     correction = rollout_correction((algorithm or {}).get("rollout_correction"))
+    bypass = None
+    if mode == "bypass_mode":
+        if not correction.bypass_mode:
+            raise InvalidInput(f"{ACTOR}.policy_loss.loss_mode", "bypass_mode treats the old log-probs as the sampler's: it needs "
+                               f"{RC}.bypass_mode=true (else verl would correct twice, on the trainer's log-probs)")
+        bypass = bypass_loss_correction(policy_loss.get("rollout_correction"))
 
     config: dict[str, Any] = {
         "clip_low": clip_low,
@@ -156,7 +167,12 @@ def verl_loss(actor: Mapping[str, Any], algorithm: Mapping[str, Any] | None = No
     }
     if norm_length is not None:
         config["norm_length"] = norm_length
-    return VerlLoss("ppo", config, rollout_is_weights=correction.rollout_is is not None)
+    if bypass is not None and bypass.loss_type == "reinforce":
+        # compute_policy_loss_reinforce: -A·logp·w = floe's dro with beta 0 on A·w (no ratio, no clip)
+        for key in ("clip_low", "clip_high", "dual_clip"):
+            del config[key]
+        return VerlLoss("dro", {**config, "beta": 0.0}, bypass=bypass)
+    return VerlLoss("ppo", config, rollout_is_weights=correction.rollout_is is not None, bypass=bypass)
 
 
 RC = f"{ALGORITHM}.rollout_correction"
@@ -182,6 +198,7 @@ class RolloutCorrection:
     rollout_rs: str | None = None
     rollout_rs_threshold: str | float | None = None
     bypass_mode: bool = False
+    loss_type: str = "ppo_clip"
 
 
 def _positive_numbers(spec: Any, key: str, *, pair_ok: bool) -> list[float]:
@@ -207,63 +224,89 @@ def rollout_correction(cfg: Mapping[str, Any] | None) -> RolloutCorrection:
     `rollout_is` token | sequence with `rollout_is_threshold` (a number: TIS, w = min(ρ, C);
     "lower_upper": IcePop, w = ρ inside [lower, upper], else 0), `rollout_is_batch_normalize`,
     `rollout_rs` (comma-separated options of ROLLOUT_RS_OPTIONS) with `rollout_rs_threshold`, and
-    `bypass_mode` = true on its own (old log-probs = the sampler's). Refused, naming the key:
-    unknown keys, values verl rejects, thresholds or loss_type set for a feature that is off (verl
-    would ignore them), and bypass_mode with rollout_is / rollout_rs / loss_type=reinforce: verl
-    applies those in its `bypass_mode` policy loss (core_algos.compute_policy_loss_bypass_mode)
-    from the log-probs of the policy being updated, which its V1 trainer does not run and floe's
-    plugin does not map (loss_mode must be vanilla).
+    `bypass_mode` (old log-probs = the sampler's). Refused, naming the key: unknown keys, values
+    verl rejects, thresholds or loss_type set for a feature that is off (verl would ignore them),
+    and bypass_mode with rollout_is / rollout_rs / loss_type=reinforce here: verl's V1 trainer skips
+    its correction in bypass mode, so they would be ignored; verl applies them only in its
+    `bypass_mode` policy loss, configured under `actor.policy_loss.rollout_correction`
+    (`bypass_loss_correction`).
     """
+    return _correction(cfg, RC, ROLLOUT_CORRECTION_DEFAULTS, in_loss=False)
+
+
+BYPASS_RC = f"{ACTOR}.policy_loss.rollout_correction"
+# verl 0.9.1's RolloutCorrectionConfig dataclass defaults: what `actor.policy_loss.rollout_correction`
+# holds when the recipe sets none of it (the actor YAML has no such block; note rollout_is "sequence").
+BYPASS_LOSS_DEFAULTS: dict[str, Any] = {**ROLLOUT_CORRECTION_DEFAULTS, "rollout_is": "sequence"}
+
+
+def bypass_loss_correction(cfg: Mapping[str, Any] | None) -> RolloutCorrection:
+    """Validate `actor_rollout_ref.actor.policy_loss.rollout_correction`, the config verl's
+    `bypass_mode` policy loss reads (core_algos.compute_policy_loss_bypass_mode), with the
+    dataclass defaults (BYPASS_LOSS_DEFAULTS). Same keys and checks as `rollout_correction`;
+    `loss_type` ppo_clip | reinforce both honoured; its `bypass_mode` key is not read by the loss
+    (verl's trainer reads `algorithm.rollout_correction.bypass_mode`). Refused besides:
+    `rollout_is_batch_normalize` with reinforce (verl normalises per micro-batch)."""
+    c = _correction(cfg, BYPASS_RC, BYPASS_LOSS_DEFAULTS, in_loss=True)
+    if c.loss_type == "reinforce" and c.rollout_is_batch_normalize:
+        raise InvalidInput(f"{BYPASS_RC}.rollout_is_batch_normalize", "verl's bypass loss normalises the weights over each "
+                           "micro-batch, a split floe does not reproduce (floe plans its own micro-batches)")
+    return c
+
+
+def _correction(cfg: Mapping[str, Any] | None, prefix: str, defaults: dict[str, Any], *, in_loss: bool) -> RolloutCorrection:
     if cfg is None:
-        return RolloutCorrection()
+        cfg = {}
     if not isinstance(cfg, Mapping):
-        raise InvalidInput(RC, f"must be a mapping, got {type(cfg).__name__}")
+        raise InvalidInput(prefix, f"must be a mapping, got {type(cfg).__name__}")
     for name in cfg:
-        if name not in ROLLOUT_CORRECTION_DEFAULTS and name != "_target_":  # hydra's class tag, no setting
-            raise InvalidInput(f"{RC}.{name}", f"not a verl 0.9.1 rollout_correction key ({sorted(ROLLOUT_CORRECTION_DEFAULTS)})")
-    c = {**ROLLOUT_CORRECTION_DEFAULTS, **{k: v for k, v in cfg.items() if k != "_target_"}}
+        if name not in defaults and name != "_target_":  # hydra's class tag, no setting
+            raise InvalidInput(f"{prefix}.{name}", f"not a verl 0.9.1 rollout_correction key ({sorted(defaults)})")
+    c = {**defaults, **{k: v for k, v in cfg.items() if k != "_target_"}}
     level = c["rollout_is"]
     if level not in (None, "token", "sequence"):
-        raise InvalidInput(f"{RC}.rollout_is", f"must be null, 'token' or 'sequence', got {level!r}")
+        raise InvalidInput(f"{prefix}.rollout_is", f"must be null, 'token' or 'sequence', got {level!r}")
     threshold = c["rollout_is_threshold"]
     if level is not None:
-        _positive_numbers(threshold, f"{RC}.rollout_is_threshold", pair_ok=True)
-    elif threshold != ROLLOUT_CORRECTION_DEFAULTS["rollout_is_threshold"]:
-        raise InvalidInput(f"{RC}.rollout_is_threshold", "has no effect with rollout_is=null; set rollout_is, or leave it at 2.0")
+        _positive_numbers(threshold, f"{prefix}.rollout_is_threshold", pair_ok=True)
+    elif threshold != defaults["rollout_is_threshold"]:
+        raise InvalidInput(f"{prefix}.rollout_is_threshold", "has no effect with rollout_is=null; set rollout_is, or leave it at 2.0")
     normalize = c["rollout_is_batch_normalize"]
     if not isinstance(normalize, bool):
-        raise InvalidInput(f"{RC}.rollout_is_batch_normalize", f"must be a boolean, got {normalize!r}")
+        raise InvalidInput(f"{prefix}.rollout_is_batch_normalize", f"must be a boolean, got {normalize!r}")
     if normalize and level is None:
-        raise InvalidInput(f"{RC}.rollout_is_batch_normalize", "has no effect with rollout_is=null")
+        raise InvalidInput(f"{prefix}.rollout_is_batch_normalize", "has no effect with rollout_is=null")
     rs, rs_threshold = c["rollout_rs"], c["rollout_rs_threshold"]
     if rs is not None:
         options = [o.strip() for o in rs.split(",") if o.strip()] if isinstance(rs, str) else []
         if not options or any(o not in ROLLOUT_RS_OPTIONS for o in options):
-            raise InvalidInput(f"{RC}.rollout_rs", f"comma-separated options of {sorted(ROLLOUT_RS_OPTIONS)}, got {rs!r}")
+            raise InvalidInput(f"{prefix}.rollout_rs", f"comma-separated options of {sorted(ROLLOUT_RS_OPTIONS)}, got {rs!r}")
         if rs_threshold is None:
-            raise InvalidInput(f"{RC}.rollout_rs_threshold", "is required when rollout_rs is set")
+            raise InvalidInput(f"{prefix}.rollout_rs_threshold", "is required when rollout_rs is set")
         specs = [s.strip() for s in rs_threshold.split(",") if s.strip()] if isinstance(rs_threshold, str) else [rs_threshold]
         unique = list(dict.fromkeys(options))
         if len(specs) not in (1, len(unique)):
-            raise InvalidInput(f"{RC}.rollout_rs_threshold", f"one threshold for all options or one per option ({len(unique)}), got {rs_threshold!r}")
+            raise InvalidInput(f"{prefix}.rollout_rs_threshold", f"one threshold for all options or one per option ({len(unique)}), got {rs_threshold!r}")
         for option, spec in zip(unique, specs * len(unique) if len(specs) == 1 else specs):
-            _positive_numbers(spec, f"{RC}.rollout_rs_threshold", pair_ok=option.endswith("k1"))
+            _positive_numbers(spec, f"{prefix}.rollout_rs_threshold", pair_ok=option.endswith("k1"))
     elif rs_threshold is not None:
-        raise InvalidInput(f"{RC}.rollout_rs_threshold", "has no effect with rollout_rs=null")
+        raise InvalidInput(f"{prefix}.rollout_rs_threshold", "has no effect with rollout_rs=null")
     bypass, loss_type = c["bypass_mode"], c["loss_type"]
     if not isinstance(bypass, bool):
-        raise InvalidInput(f"{RC}.bypass_mode", f"must be a boolean, got {bypass!r}")
+        raise InvalidInput(f"{prefix}.bypass_mode", f"must be a boolean, got {bypass!r}")
     if loss_type not in ("ppo_clip", "reinforce"):
-        raise InvalidInput(f"{RC}.loss_type", f"must be 'ppo_clip' or 'reinforce', got {loss_type!r}")
-    if loss_type != "ppo_clip":
-        raise InvalidInput(f"{RC}.loss_type", "'reinforce' is verl's bypass_mode policy loss (compute_policy_loss_bypass_mode), "
-                           "which floe's verl plugin does not map; use ppo_clip")
-    if bypass and (level is not None or rs is not None):
-        key = "rollout_is" if level is not None else "rollout_rs"
-        raise InvalidInput(f"{RC}.{key}", "with bypass_mode=true verl computes the weights / rejection inside its bypass_mode "
-                           "policy loss from the policy being updated (compute_policy_loss_bypass_mode), which floe's verl "
-                           "plugin does not run; use bypass_mode=false (decoupled: verl's trainer computes them once per batch)")
-    return RolloutCorrection(level, threshold, normalize, rs, rs_threshold, bypass)
+        raise InvalidInput(f"{prefix}.loss_type", f"must be 'ppo_clip' or 'reinforce', got {loss_type!r}")
+    if not in_loss:
+        if loss_type != "ppo_clip":
+            raise InvalidInput(f"{prefix}.loss_type", "is read only by verl's bypass_mode policy loss, from "
+                               f"{BYPASS_RC}.loss_type (with policy_loss.loss_mode=bypass_mode); leave it at ppo_clip here")
+        if bypass and (level is not None or rs is not None):
+            key = "rollout_is" if level is not None else "rollout_rs"
+            raise InvalidInput(f"{prefix}.{key}", "with bypass_mode=true verl's trainer skips this correction (it would be "
+                               "ignored); verl's bypass variants compute it inside the bypass_mode policy loss: set "
+                               f"policy_loss.loss_mode=bypass_mode and {BYPASS_RC}.{key}, or use bypass_mode=false "
+                               "(decoupled: verl's trainer computes it once per batch)")
+    return RolloutCorrection(level, threshold, normalize, rs, rs_threshold, bypass, loss_type)
 
 
 def weighted_advantages(advantages: list[list[float]], weights: list[list[float]]) -> list[list[float]]:

@@ -160,11 +160,15 @@ class FloeWorkerGroup:
         metrics: dict[str, list[float]] = defaultdict(list)
         for part in iterator:
             rows = part["row"].tolist()
+            advantages = [per_token["advantages"][i] for i in rows]
+            if self.loss.bypass is not None:
+                advantages = self._bypass_advantages(rows, prompts, responses, uids, per_token, advantages,
+                                                     temperature, metrics)
             layout = verl_to_batch(
                 [prompts[i] for i in rows], [responses[i] for i in rows], [uids[i] for i in rows],
                 response_mask=[per_token["response_mask"][i] for i in rows],
                 old_log_probs=[per_token["old_log_probs"][i] for i in rows],
-                advantages=[per_token["advantages"][i] for i in rows],
+                advantages=advantages,
                 ref_log_probs=[per_token["ref_log_prob"][i] for i in rows] if self.loss.needs_ref_logprobs else None,
             )
             fb = self.client.forward_backward(layout.batch, self.loss.loss, self.loss.loss_config, temperature=temperature)
@@ -182,6 +186,26 @@ class FloeWorkerGroup:
             metrics["lr"] = [self.schedule.step()]
         metrics["mfu"] = [0.0]  # verl's trainer pops actor/mfu; floe does not estimate it
         return {"metrics": dict(metrics)}
+
+    def _bypass_advantages(self, rows: list[int], prompts: list[list[int]], responses: list[list[int]], uids: list[Any],
+                           per_token: dict[str, list[list[float]]], advantages: list[list[float]], temperature: float,
+                           metrics: dict[str, list[float]]) -> list[list[float]]:
+        """verl's bypass_mode loss on this mini-batch (bypass.py): the policy's log-probs now (one
+        floe forward at the current weights), verl's correction against the sampler's log-probs
+        (`old_log_probs` in bypass mode), folded into the advantages; its metrics appended."""
+        from floe.integrations.verl.bypass import bypass_advantages  # noqa: PLC0415 - only this mode needs it
+
+        assert self.loss.bypass is not None
+        masks = [per_token["response_mask"][i] for i in rows]
+        rollout = [per_token["old_log_probs"][i] for i in rows]
+        layout = verl_to_batch([prompts[i] for i in rows], [responses[i] for i in rows], [uids[i] for i in rows])
+        current = layout.per_row(self.client.forward(layout.batch, zone="policy", temperature=temperature).logprobs)
+        self.calls["forward"] += 1
+        out, rc_metrics = bypass_advantages(self.loss.bypass, self.loss.loss_config["aggregation"], current, rollout,
+                                            masks, advantages)
+        for key, value in rc_metrics.items():
+            metrics[key].append(value)
+        return out
 
     def save_checkpoint(self, local_path: str, hdfs_path: str | None = None, global_step: int = 0,
                         max_ckpt_to_keep: int | None = None) -> None:
