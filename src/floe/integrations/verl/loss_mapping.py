@@ -8,7 +8,8 @@ the loss is either mapped or refused with floe.errors.InvalidInput naming verl's
 
 | verl key (actor_rollout_ref.actor.*)          | floe loss_config                               |
 |-----------------------------------------------|------------------------------------------------|
-| policy_loss.loss_mode = vanilla               | loss "ppo" (other modes refused)               |
+| policy_loss.loss_mode = vanilla               | loss "ppo"                                     |
+| policy_loss.loss_mode = bypass_mode           | "ppo" (ppo_clip) / "dro", beta 0 (reinforce)   |
 | clip_ratio_low / clip_ratio_high (clip_ratio) | clip_low / clip_high                           |
 | clip_ratio_c                                  | dual_clip                                      |
 | loss_agg_mode token-mean / token-sum          | aggregation token_mean / sum                   |
@@ -30,9 +31,10 @@ agg_loss drops them). verl multiplies only the policy-gradient term by w_is (cor
 compute_policy_loss_vanilla: pg_losses * rollout_is_weights; KL and entropy unweighted, the
 denominators from response_mask), and verl's PPO loss with dual clip is positively homogeneous
 in the advantage, so the plugin sends A·w_is as floe's advantage (`weighted_advantages`): the
-same loss and gradients, exactly. bypass_mode=true with no weights and no rejection is verl V1's
-own bypass (old log-probs = the sampler's, no policy forward); bypass with rollout_is / rollout_rs
-or loss_type=reinforce is refused (see `rollout_correction`).
+same loss and gradients, exactly. bypass_mode=true alone is verl V1's own bypass (old log-probs =
+the sampler's, no policy forward); with `policy_loss.loss_mode=bypass_mode` verl's bypass loss
+computes the correction from the policy being updated, per mini-batch (`bypass_loss_correction`,
+applied by bypass.py: ppo_clip -> ppo, reinforce -> dro with beta 0).
 
 ppo_epochs, ppo_mini_batch_size and shuffle are honoured by the plugin's update loop (verl's own
 mini-batch iterator), micro-batch sizes do not change the numbers (floe plans its own
