@@ -19,7 +19,7 @@ mapped or refused with floe.errors.InvalidInput naming verl's key (e.g.
 | geo_mean (…_geo_mean)                 | geo_mean: clip_low/high = clip_ratio_low/high; aggregation seq_mean_token_mean (verl: mean over the micro-batch's rows) |
 | dro (…_dro)                           | dro: beta = dro_beta (> 0) |
 | cispo (…_cispo)                       | cispo: clip_low/high = clip_ratio_low/high |
-| bypass_mode (…_bypass_mode)           | policy_loss.rollout_correction: loss_type ppo_clip → ppo; reinforce → dro beta 0; reinforce with rollout_is token and a float rollout_is_threshold C → cispo clip_low 1, clip_high C − 1; rollout_rs, sequence IS, IcePop bounds and batch normalisation refused (rollout correction) |
+| bypass_mode (…_bypass_mode)           | policy_loss.rollout_correction: loss_type ppo_clip → ppo (dual clip), reinforce → dro beta 0; verl's IS weights and rejection from the current policy per mini-batch folded into A (bypass.py); needs algorithm.rollout_correction.bypass_mode=true |
 
 | verl key (actor_rollout_ref.actor.*)          | floe loss_config                               |
 |-----------------------------------------------|------------------------------------------------|
