@@ -8,9 +8,17 @@ from __future__ import annotations
 import pytest
 
 import floe
+import floe.compute.losses
 from floe.integrations.verl.backend_config import floe_target
 from floe.integrations.verl.local_server import to_toml
-from floe.integrations.verl.loss_mapping import verl_loss
+from floe.integrations.verl.loss_mapping import (
+    IS_FOLD_EXACT,
+    IS_FOLD_REFUSED,
+    ROLLOUT_CORRECTION_DEFAULTS,
+    verl_loss,
+    weighted_advantages,
+)
+from floe.integrations.verl.loss_mapping import LOSS_MODES as MAPPED_MODES
 from floe.integrations.verl.rollout_mapping import floe_sampling_params
 
 # verl 0.9.1's actor defaults (verl/trainer/config/actor/actor.yaml) for the keys the loss reads.
@@ -74,6 +82,9 @@ def test_clips_entropy_and_the_clip_ratio_fallback():
     assert (cfg["clip_low"], cfg["clip_high"]) == (0.3, 0.3)
 
 
+BYPASS = {"rollout_correction": {"bypass_mode": True}}  # verl's trainer bypass: old log-probs = the sampler's
+
+
 @pytest.mark.parametrize(
     ("changes", "algorithm", "field"),
     [
@@ -88,18 +99,17 @@ def test_clips_entropy_and_the_clip_ratio_fallback():
         ({"policy_loss": {"loss_mode": "sapo"}, "use_kl_loss": True}, None, "actor_rollout_ref.actor.loss_agg_mode"),
         ({"policy_loss": {"loss_mode": "geo_mean"}, "entropy_coeff": 0.01}, None, "actor_rollout_ref.actor.loss_agg_mode"),
         ({"policy_loss": {"loss_mode": "dppo_tv"}, "clip_ratio_c": 0.0}, None, "actor_rollout_ref.actor.clip_ratio_c"),
-        ({"policy_loss": {"loss_mode": "bypass_mode"}}, None, "actor_rollout_ref.actor.policy_loss.rollout_correction"),
-        ({"policy_loss": {"loss_mode": "bypass_mode", "rollout_correction": {"rollout_rs": "token_k1"}}}, None,
-         "actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_rs"),
-        ({"policy_loss": {"loss_mode": "bypass_mode", "rollout_correction": {"loss_type": "reinforce"}}}, None,
-         "actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_is"),  # verl's default: sequence IS
+        # loss_mode=bypass_mode (verl's bypass loss, bypass.py): needs the trainer's bypass, then its block's checks
+        ({"policy_loss": {"loss_mode": "bypass_mode"}}, None, "actor_rollout_ref.actor.policy_loss.loss_mode"),
+        ({"policy_loss": {"loss_mode": "bypass_mode", "rollout_correction": {"rollout_rs": "token_k1"}}}, BYPASS,
+         "actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_rs_threshold"),
         ({"policy_loss": {"loss_mode": "bypass_mode", "rollout_correction": {
-            "loss_type": "reinforce", "rollout_is": "token", "rollout_is_batch_normalize": True}}}, None,
+            "loss_type": "reinforce", "rollout_is": "token", "rollout_is_batch_normalize": True}}}, BYPASS,
          "actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_is_batch_normalize"),
         ({"policy_loss": {"loss_mode": "bypass_mode", "rollout_correction": {
-            "loss_type": "reinforce", "rollout_is": "token", "rollout_is_threshold": "0.5_2.0"}}}, None,
+            "loss_type": "reinforce", "rollout_is": "token", "rollout_is_threshold": "2.0_0.5"}}}, BYPASS,
          "actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_is_threshold"),
-        ({"policy_loss": {"loss_mode": "bypass_mode", "rollout_correction": {"loss_type": "dpo"}}}, None,
+        ({"policy_loss": {"loss_mode": "bypass_mode", "rollout_correction": {"loss_type": "dpo"}}}, BYPASS,
          "actor_rollout_ref.actor.policy_loss.rollout_correction.loss_type"),
         ({"loss_agg_mode": "token-median"}, None, "actor_rollout_ref.actor.loss_agg_mode"),
         ({"use_kl_loss": True, "kl_loss_type": "abs"}, None, "actor_rollout_ref.actor.kl_loss_type"),
@@ -110,8 +120,6 @@ def test_clips_entropy_and_the_clip_ratio_fallback():
         ({"ppo_epochs": 0}, None, "actor_rollout_ref.actor.ppo_epochs"),
         ({"loss_agg_mode": "seq-mean-token-sum-norm", "loss_scale_factor": 0}, None,
          "actor_rollout_ref.actor.loss_scale_factor"),
-        ({}, {"rollout_correction": {"rollout_is": "token"}}, "algorithm.rollout_correction.rollout_is"),
-        ({}, {"rollout_correction": {"rollout_rs": "seq"}}, "algorithm.rollout_correction.rollout_rs"),
     ],
 )
 def test_what_floe_cannot_honour_is_refused_by_its_verl_key(changes, algorithm, field):
@@ -148,16 +156,18 @@ LOSS_MODES = [
      {"clip_low": 0.2, "clip_high": 0.2, "dual_clip": 3.0}),
     ({"loss_mode": "bypass_mode", "rollout_correction": {"loss_type": "reinforce", "rollout_is": None}}, {}, "dro",
      {"beta": 0.0}),
+    # bypass_mode with token TIS: floe's dro with beta 0 on A·m'·w, w from verl's own helper per mini-batch (bypass.py)
     ({"loss_mode": "bypass_mode", "rollout_correction": {"loss_type": "reinforce", "rollout_is": "token",
-                                                         "rollout_is_threshold": 2.0}}, {}, "cispo",
-     {"clip_low": 1.0, "clip_high": 1.0}),
+                                                         "rollout_is_threshold": 2.0}}, {}, "dro", {"beta": 0.0}),
 ]
 
 
 @pytest.mark.parametrize(("policy_loss", "changes", "loss", "expect"), LOSS_MODES,
                          ids=[f"{p['loss_mode']}-{i}" for i, (p, *_) in enumerate(LOSS_MODES)])
 def test_every_verl_loss_mode_maps_with_its_keys(make_client, policy_loss, changes, loss, expect):
-    mapped = verl_loss(actor(policy_loss=policy_loss, **changes))
+    # loss_mode=bypass_mode needs verl's trainer bypass (old log-probs = the sampler's)
+    algorithm = BYPASS if policy_loss["loss_mode"] == "bypass_mode" else None
+    mapped = verl_loss(actor(policy_loss=policy_loss, **changes), algorithm)
     assert mapped.loss == loss
     assert {k: mapped.loss_config[k] for k in expect} == expect
     client = make_client()
@@ -167,31 +177,165 @@ def test_every_verl_loss_mode_maps_with_its_keys(make_client, policy_loss, chang
     assert result.loss == loss and all(result.loss_config[k] == v for k, v in expect.items())
 
 
-@pytest.mark.parametrize(("correction", "loss", "expect"), [
-    ({"bypass_mode": True, "loss_type": "ppo_clip", "rollout_is": "token"}, "ppo", {"dual_clip": 3.0}),
-    ({"bypass_mode": True, "loss_type": "reinforce", "rollout_is": "token", "rollout_is_threshold": "3.0"}, "cispo",
-     {"clip_low": 1.0, "clip_high": 2.0}),
-    ({"bypass_mode": True, "loss_type": "reinforce", "rollout_is": None}, "dro", {"beta": 0.0}),
-])
-def test_bypass_mode_from_the_algorithm_block(correction, loss, expect):
-    """algorithm.rollout_correction.bypass_mode=true: verl's trainer sets old = rollout log-probs
-    and runs loss_mode=bypass_mode with this block (rollout_corr_helper.apply_bypass_mode)."""
-    mapped = verl_loss(actor(), {"rollout_correction": correction})
-    assert mapped.loss == loss and {k: mapped.loss_config[k] for k in expect} == expect
+@pytest.mark.parametrize("mode", [p["loss_mode"] for p, *_ in LOSS_MODES if p["loss_mode"] != "bypass_mode"])
+def test_trainer_bypass_keeps_the_loss_mode(mode):
+    """algorithm.rollout_correction.bypass_mode=true in verl's V1 trainer (the plugin's) only sets
+    old = rollout log-probs (trainer_base._compute_old_log_prob; no apply_bypass_mode): the loss_mode
+    runs unchanged against the sampler's log-probs, with no trainer IS weights."""
+    policy_loss = next(p for p, *_ in LOSS_MODES if p["loss_mode"] == mode)
+    changes = next(c for p, c, *_ in LOSS_MODES if p["loss_mode"] == mode)
+    plain = verl_loss(actor(policy_loss=policy_loss, **changes))
+    mapped = verl_loss(actor(policy_loss=policy_loss, **changes), BYPASS)
+    assert (mapped.loss, mapped.loss_config) == (plain.loss, plain.loss_config)
+    assert mapped.bypass is None and not mapped.rollout_is_weights
 
 
-def test_bypass_mode_refusals_name_the_algorithm_block():
+def test_trainer_bypass_refusals_name_the_algorithm_block():
+    """verl's V1 trainer skips the decoupled correction in bypass mode: rollout_rs / rollout_is /
+    loss_type there would be ignored (verl reads them from policy_loss.rollout_correction, for
+    loss_mode=bypass_mode), so they are refused by the algorithm key."""
     with pytest.raises(floe.InvalidInput) as info:
-        verl_loss(actor(), {"rollout_correction": {"bypass_mode": True, "rollout_rs": "seq_mean_k1"}})
+        verl_loss(actor(), {"rollout_correction": {"bypass_mode": True, "rollout_rs": "seq_mean_k1",
+                                                   "rollout_rs_threshold": "0.999_1.001"}})
     assert info.value.field == "algorithm.rollout_correction.rollout_rs"
     with pytest.raises(floe.InvalidInput) as info:
         verl_loss(actor(), {"rollout_correction": {"bypass_mode": True, "loss_type": "reinforce", "rollout_is": "sequence"}})
+    assert info.value.field == "algorithm.rollout_correction.loss_type"
+
+
+# Decoupled rollout IS (verl's trainer writes rollout_is_weights; the plugin folds them into A) and
+# rejection (zeros in response_mask, floe weights 0) on top of each loss_mode.
+IS_EXACT = [p for p, *_ in LOSS_MODES if p["loss_mode"] in IS_FOLD_EXACT]
+IS_REFUSED = [p for p, *_ in LOSS_MODES if p["loss_mode"] in IS_FOLD_REFUSED]
+
+
+@pytest.mark.parametrize("policy_loss", IS_EXACT, ids=[p["loss_mode"] for p in IS_EXACT])
+def test_rollout_is_folds_into_every_homogeneous_loss(policy_loss):
+    changes = next(c for p, c, *_ in LOSS_MODES if p is policy_loss)
+    plain = verl_loss(actor(policy_loss=policy_loss, **changes))
+    mapped = verl_loss(actor(policy_loss=policy_loss, **changes),
+                       {"rollout_correction": {"rollout_is": "token", "rollout_rs": "token_k1", "rollout_rs_threshold": "0.5_2.0"}})
+    assert mapped.rollout_is_weights and (mapped.loss, mapped.loss_config) == (plain.loss, plain.loss_config)
+
+
+@pytest.mark.parametrize("policy_loss", IS_REFUSED, ids=[p["loss_mode"] for p in IS_REFUSED])
+def test_rollout_is_with_a_non_homogeneous_loss_is_refused_rejection_is_not(policy_loss):
+    changes = next(c for p, c, *_ in LOSS_MODES if p is policy_loss)
+    with pytest.raises(floe.InvalidInput) as info:
+        verl_loss(actor(policy_loss=policy_loss, **changes), {"rollout_correction": {"rollout_is": "sequence"}})
     assert info.value.field == "algorithm.rollout_correction.rollout_is"
+    assert policy_loss["loss_mode"] in str(info.value)
+    mapped = verl_loss(actor(policy_loss=policy_loss, **changes),
+                       {"rollout_correction": {"rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.999_1.001"}})
+    assert not mapped.rollout_is_weights  # rejection only: zero weights, exact for every loss_mode
+
+
+def test_every_loss_mode_is_classified_for_rollout_is():
+    assert set(IS_FOLD_EXACT) | set(IS_FOLD_REFUSED) | {"bypass_mode"} == set(MAPPED_MODES)
+    assert not set(IS_FOLD_EXACT) & set(IS_FOLD_REFUSED)
 
 
 def test_every_registered_verl_loss_mode_is_mapped():
     from floe.integrations.verl.loss_mapping import LOSS_MODES as MAPPED  # noqa: PLC0415
     assert {p["loss_mode"] for p, *_ in LOSS_MODES} == set(MAPPED)
+
+
+RC = "algorithm.rollout_correction"
+# verl 0.9.1's YAML block (trainer/config/algorithm/rollout_correction.yaml, as main_ppo resolves it)
+VERL_RC_DEFAULTS = {"rollout_is": None, "rollout_is_threshold": 2.0, "rollout_rs": None, "rollout_rs_threshold": None,
+                    "bypass_mode": False, "loss_type": "ppo_clip", "rollout_is_batch_normalize": False}
+
+
+def test_rollout_correction_keys_are_verls():
+    assert ROLLOUT_CORRECTION_DEFAULTS == VERL_RC_DEFAULTS
+
+
+@pytest.mark.parametrize(("rc", "weights"), [
+    ({}, False),
+    (VERL_RC_DEFAULTS, False),  # metrics only: verl's trainer still logs rollout_corr/*
+    ({"rollout_is": "token"}, True),  # decoupled_token_is
+    ({"rollout_is": "sequence", "rollout_is_threshold": 5.0, "rollout_is_batch_normalize": True}, True),
+    ({"rollout_is": "token", "rollout_is_threshold": "0.5_5.0"}, True),  # decoupled_token_icepop
+    ({"rollout_is": "sequence", "rollout_rs": "seq_sum_k1", "rollout_rs_threshold": "0.5_2.0"}, True),  # seq_is_rs
+    ({"rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.999_1.001"}, False),  # decoupled_geo_rs
+    ({"rollout_rs": "seq_mean_k3", "rollout_rs_threshold": 0.01}, False),  # decoupled_k3_rs
+    ({"rollout_rs": "token_k1,seq_max_k2", "rollout_rs_threshold": "0.5_2.0,0.3"}, False),
+    ({"rollout_rs": "token_k2,seq_sum_k3", "rollout_rs_threshold": 0.2}, False),  # one threshold for both
+    ({"bypass_mode": True}, False),  # bypass_ppo_clip: old log-probs = the sampler's
+])
+def test_rollout_correction_takes_effect(rc, weights):
+    loss = verl_loss(actor(), {"rollout_correction": rc})
+    assert loss.rollout_is_weights is weights
+    assert loss.loss_config == verl_loss(actor()).loss_config  # the PPO loss itself is unchanged
+
+
+@pytest.mark.parametrize(("rc", "key"), [
+    ({"rollout_is": "tokens"}, "rollout_is"),
+    ({"rollout_is": "token", "rollout_is_threshold": 0}, "rollout_is_threshold"),
+    ({"rollout_is": "token", "rollout_is_threshold": "5.0_0.5"}, "rollout_is_threshold"),
+    ({"rollout_is": "token", "rollout_is_threshold": "two"}, "rollout_is_threshold"),
+    ({"rollout_is_threshold": 3.0}, "rollout_is_threshold"),  # no effect without rollout_is
+    ({"rollout_is_batch_normalize": True}, "rollout_is_batch_normalize"),
+    ({"rollout_rs": "seq"}, "rollout_rs"),
+    ({"rollout_rs": "seq_max_k1", "rollout_rs_threshold": "0.5_2.0"}, "rollout_rs"),  # verl has no seq_max_k1
+    ({"rollout_rs": "token_k1"}, "rollout_rs_threshold"),
+    ({"rollout_rs": "token_k2", "rollout_rs_threshold": "0.1_0.3"}, "rollout_rs_threshold"),  # k2/k3: upper only
+    ({"rollout_rs": "token_k1,token_k2,seq_sum_k3", "rollout_rs_threshold": "2.0,0.1"}, "rollout_rs_threshold"),
+    ({"rollout_rs_threshold": 0.1}, "rollout_rs_threshold"),
+    ({"loss_type": "reinforce", "bypass_mode": True}, "loss_type"),
+    ({"loss_type": "dpo"}, "loss_type"),
+    ({"bypass_mode": True, "rollout_is": "sequence"}, "rollout_is"),  # bypass_pg_is's weights: refused
+    ({"bypass_mode": True, "rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.999_1.001"}, "rollout_rs"),
+    ({"bypass_mode": "yes"}, "bypass_mode"),
+    ({"veto_threshold": 1e-4}, "veto_threshold"),
+])
+def test_rollout_correction_refusals_name_the_key(rc, key):
+    with pytest.raises(floe.InvalidInput) as info:
+        verl_loss(actor(), {"rollout_correction": rc})
+    assert info.value.field == f"{RC}.{key}"
+
+
+@pytest.mark.parametrize(("rc", "loss"), [
+    (None, "ppo"),  # the dataclass defaults: ppo_clip (sequence IS weights for metrics only)
+    ({"rollout_is": None, "rollout_rs": "seq_mean_k3", "rollout_rs_threshold": 0.01}, "ppo"),  # bypass_ppo_clip_k3_rs
+    ({"loss_type": "reinforce"}, "dro"),  # bypass_pg_is: -A·logp·w
+    ({"loss_type": "reinforce", "rollout_is": "token", "rollout_is_threshold": "0.5_5.0"}, "dro"),  # bypass_pg_token_icepop
+    ({"loss_type": "reinforce", "rollout_is": None, "rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.999_1.001"},
+     "dro"),  # bypass_pg_geo_rs
+])
+def test_bypass_mode_loss_maps(rc, loss):
+    policy_loss = {"loss_mode": "bypass_mode", **({} if rc is None else {"rollout_correction": rc})}
+    mapped = verl_loss(actor(policy_loss=policy_loss, use_kl_loss=True, kl_loss_coef=0.1), BYPASS)
+    assert mapped.loss == loss and mapped.bypass is not None and not mapped.rollout_is_weights
+    assert mapped.bypass.rollout_is == ("sequence" if rc is None else rc.get("rollout_is", "sequence"))
+    if loss == "dro":  # no ratio, no clip: the policy's own log-prob times A·w
+        assert mapped.loss_config == {"aggregation": "token_mean", "kl": {"coef": 0.1, "estimator": "k3"},
+                                      "entropy": {"coef": 0.0}, "beta": 0.0}
+    floe.compute.losses.resolve_loss(mapped.loss, mapped.loss_config)
+
+
+@pytest.mark.parametrize(("policy_loss", "algorithm", "field"), [
+    ({"loss_mode": "bypass_mode"}, None, "actor_rollout_ref.actor.policy_loss.loss_mode"),  # needs the trainer's bypass
+    ({"loss_mode": "vanilla", "rollout_correction": {"rollout_is": "token"}}, BYPASS,
+     "actor_rollout_ref.actor.policy_loss.rollout_correction"),
+    ({"loss_mode": "bypass_mode", "rollout_correction": {"loss_type": "reinforce", "rollout_is_batch_normalize": True}},
+     BYPASS, "actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_is_batch_normalize"),
+    ({"loss_mode": "bypass_mode", "rollout_correction": {"loss_type": "a2c"}}, BYPASS,
+     "actor_rollout_ref.actor.policy_loss.rollout_correction.loss_type"),
+    ({"loss_mode": "bypass_mode", "rollout_correction": {"rollout_rs": "token_k9", "rollout_rs_threshold": 1.0}}, BYPASS,
+     "actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_rs"),
+])
+def test_bypass_mode_refusals_name_the_key(policy_loss, algorithm, field):
+    with pytest.raises(floe.InvalidInput) as info:
+        verl_loss(actor(policy_loss=policy_loss), algorithm)
+    assert info.value.field == field
+
+
+def test_weighted_advantages_scale_each_token():
+    assert weighted_advantages([[1.0, -2.0], [0.5]], [[2.0, 0.0], [1.5]]) == [[2.0, -0.0], [0.75]]
+    for bad in ([[1.0]], [[1.0, 1.0], [-1.0]]):
+        with pytest.raises(floe.InvalidInput):
+            weighted_advantages([[1.0, -2.0], [0.5]], bad)
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",

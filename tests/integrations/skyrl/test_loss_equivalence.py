@@ -6,7 +6,9 @@ left-padded `sequences` as SkyRL's model wrapper does (position ids = cumsum(mas
 temperature-scaled logits, the last R positions); the advantages are pre-scaled by
 `apply_loss_reduction_to_advantages_minibatch`; the loss is `PolicyLossRegistry`'s function
 plus `compute_approx_kl` + `masked_mean` (KL) or the masked entropy mean, as the worker adds
-them. floe side: the plugin's own `FloeDispatch.forward_backward` on an embedded backend built
+them; with `off_policy_correction.*` set, the policy loss function itself applies SkyRL's
+correction to the rollout log-probs it is given (every loss that calls it: regular, dual_clip,
+gspo, sapo, cispo, rollout_is, dppo). floe side: the plugin's own `FloeDispatch.forward_backward` on an embedded backend built
 from the same model, whose policy gradients are then compared parameter by parameter.
 One case per SkyRL 0.4.0 PolicyLossType (and per variant: dppo's divergences, cispo's rollout
 anchor), with inputs that take the clips / masks / selections (checked through the clip ratio);
@@ -55,6 +57,35 @@ CASES = [
     ("kl_cov", "sequence_mean", {"use_kl_loss": False, "kl_cov.kl_cov_frac": 0.2, "kl_cov.ppo_kl_coef": 0.5}),
 ]
 SEED = 2024  # torch's default generator before each side (clip_cov draws the tokens it drops)
+OPC = "off_policy_correction."
+# Off-policy correction (SkyRL's compute_off_policy_correction inside its policy losses): each mode once.
+OFF_POLICY_CASES = [
+    ("regular", "token_mean", {"use_kl_loss": True, "kl_loss_coef": 0.1, OPC + "tis_ratio_type": "token",
+                               OPC + "token_tis_ratio_clip_high": 1.2}),
+    ("dual_clip", "sequence_mean", {"use_kl_loss": True, "kl_loss_coef": 0.05, "kl_estimator_type": "k2",
+                                    OPC + "tis_ratio_type": "sequence", OPC + "sequence_tis_ratio_clip_high": 1.5,
+                                    OPC + "sequence_mask_metric": "geometric", OPC + "geo_mask_low": 0.9,
+                                    OPC + "geo_mask_high": 1.1}),
+    ("gspo", "sequence_mean", {"use_kl_loss": False, OPC + "tis_ratio_type": "token", OPC + "token_tis_ratio_clip_high": 1.3,
+                               OPC + "token_mask_is_threshold_low": 0.8, OPC + "token_mask_is_threshold_high": 1.25}),
+    ("cispo", "seq_mean_token_sum_norm", {"use_kl_loss": False, OPC + "sequence_mask_metric": "product",
+                                          OPC + "product_mask_low": 0.6, OPC + "product_mask_high": 1.6,
+                                          OPC + "outlier_token_is_threshold_high": 1.5}),
+    ("regular", "prompt_mean", {"use_kl_loss": False, "use_entropy_loss": True, "entropy_loss_coef": 0.05,
+                                OPC + "outlier_token_is_threshold_low": 0.7, OPC + "tis_ratio_type": "token"}),
+    # the losses branch's losses that call apply_off_policy_correction too (mapping.OFF_POLICY_LOSSES)
+    ("sapo", "sequence_mean", {"use_kl_loss": True, "kl_loss_coef": 0.1, OPC + "tis_ratio_type": "token",
+                               OPC + "token_tis_ratio_clip_high": 1.2, OPC + "outlier_token_is_threshold_high": 1.5}),
+    ("dppo", "token_mean", {"use_kl_loss": False, "dppo.delta_low": 0.05, "dppo.delta_high": 0.05,
+                            OPC + "tis_ratio_type": "sequence", OPC + "sequence_tis_ratio_clip_high": 1.5,
+                            OPC + "sequence_mask_metric": "geometric", OPC + "geo_mask_low": 0.9, OPC + "geo_mask_high": 1.1}),
+    ("rollout_is", "token_mean", {"use_kl_loss": False, "eps_clip_low": 0.5, "eps_clip_high": 0.5,
+                                  OPC + "tis_ratio_type": "token", OPC + "token_tis_ratio_clip_high": 1.3,
+                                  OPC + "token_mask_is_threshold_low": 0.8, OPC + "token_mask_is_threshold_high": 1.25}),
+    # cispo's rollout anchor is its own correction: masks only (TIS is refused, as SkyRL raises)
+    ("cispo", "sequence_mean", {"use_kl_loss": False, "cispo.cispo_anchor": "rollout", OPC + "sequence_mask_metric": "product",
+                                OPC + "product_mask_low": 0.6, OPC + "product_mask_high": 1.6}),
+]
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +104,9 @@ def skyrl_cfg(loss_type: str, reduction: str, extra: dict):
     return SkyRLTrainConfig.from_cli_overrides(args)
 
 
-@pytest.mark.parametrize(("loss_type", "reduction", "extra"), CASES)
+@pytest.mark.parametrize(("loss_type", "reduction", "extra"), CASES + OFF_POLICY_CASES,
+                         ids=[f"{c[0]}-{c[1]}" + ("-opc" if any(k.startswith(OPC) for k in c[2]) else "")
+                              for c in CASES + OFF_POLICY_CASES])
 def test_skyrl_loss_and_gradients_match_floe(model_path: Path, loss_type: str, reduction: str, extra: dict) -> None:
     # imports marked PLC0415: SkyRL only exists in its own environment (marker skyrl)
     from dataclasses import asdict  # noqa: PLC0415
@@ -113,9 +146,21 @@ def test_skyrl_loss_and_gradients_match_floe(model_path: Path, loss_type: str, r
     with torch.no_grad():
         old = (logp + (torch.rand(logp.shape, generator=g) - 0.5) * 0.4) * resp
         ref = (logp + (torch.rand(logp.shape, generator=g) - 0.5) * 0.6) * resp
-        # rollout log-probs apart from the old ones: a loss that reads the wrong one fails
-        rollout = (logp + (torch.rand(logp.shape, generator=g) - 0.5) * 0.5) * resp if extra.get("rollout") else None
+        if any(k.startswith(OPC) for k in extra):
+            rollout = (old + torch.randn(old.shape, generator=g) * 0.3) * resp  # the sampler's log-probs
+        elif extra.get("rollout"):  # rollout log-probs apart from the old ones: a loss that reads the wrong one fails
+            rollout = (logp + (torch.rand(logp.shape, generator=g) - 0.5) * 0.5) * resp
+        else:
+            rollout = None
     adv = torch.tensor([[1.3], [-0.7], [0.4], [-1.1]]).expand(-1, width) * resp
+    if any(k.startswith(OPC) for k in extra):  # the correction bites: weights != 1 and/or rejected tokens
+        from skyrl.backends.skyrl_train.utils.off_policy_correction_utils import (  # noqa: PLC0415
+            compute_off_policy_correction,
+        )
+        tis, _, corrected = compute_off_policy_correction(old, rollout, loss_mask, algo.off_policy_correction)
+        assert tis is not None or bool((corrected < loss_mask).any())
+        assert tis is None or bool(((tis - 1).abs() > 0.01).any())
+        assert corrected.sum() > 0
     adv_pre = apply_loss_reduction_to_advantages_minibatch(adv, loss_mask, reduction, micro_batch_size=4, max_seq_len=9,
                                                            prompt_boundaries=[(0, 2), (2, 4)])
     torch.manual_seed(SEED)
@@ -151,3 +196,16 @@ def test_skyrl_loss_and_gradients_match_floe(model_path: Path, loss_type: str, r
     diff = torch.sqrt(sum(((floe_grads[n] - skyrl_grads[n]) ** 2).sum() for n in skyrl_grads))
     norm = torch.sqrt(sum((skyrl_grads[n] ** 2).sum() for n in skyrl_grads))
     assert norm > 0 and float(diff / norm) < 1e-5, (float(diff), float(norm))
+
+
+def test_floes_off_policy_table_is_skyrls() -> None:
+    """The keys and defaults mapping.off_policy_correction validates against are SkyRL's own."""
+    from dataclasses import asdict  # noqa: PLC0415
+
+    from skyrl.train.config.config import AlgorithmConfig, OffPolicyCorrectionConfig  # noqa: PLC0415
+
+    from floe.integrations.skyrl.mapping import DEPRECATED_TIS, OFF_POLICY_DEFAULTS  # noqa: PLC0415
+
+    assert asdict(OffPolicyCorrectionConfig()) == OFF_POLICY_DEFAULTS
+    algo = asdict(AlgorithmConfig())
+    assert {k: algo[k] for k in DEPRECATED_TIS} == DEPRECATED_TIS

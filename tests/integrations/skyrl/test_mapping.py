@@ -20,6 +20,7 @@ import floe
 from floe.compute.losses import TokenInputs, compute_loss, resolve_loss
 from floe.errors import InvalidInput
 from floe.integrations.skyrl.mapping import (
+    OFF_POLICY_LOSSES,
     floe_advantages,
     lr_scheduler,
     map_loss,
@@ -45,6 +46,7 @@ def test_default_grpo_recipe_maps_to_ppo_with_kl() -> None:
     ({"policy_loss_type": "dual_clip", "clip_ratio_c": 3.0}, "ppo", {"dual_clip": 3.0}),
     ({"policy_loss_type": "gspo"}, "gspo", {"clip_low": 0.2, "clip_high": 0.28, "ratio_gradient": "token",
                                             "log_ratio_cap": 10.0}),
+    # GSPO-token takes per-token advantages: any estimator
     ({"policy_loss_type": "gspo", "advantage_estimator": "reinforce++", "gamma": 0.9}, "gspo", {"ratio_gradient": "token"}),
     ({"policy_loss_type": "sapo"}, "sapo", {"tau_pos": 1.0, "tau_neg": 1.05}),
     ({"policy_loss_type": "sapo", "sapo": {"tau_pos": 2.0, "tau_neg": 3.0}}, "sapo", {"tau_pos": 2.0, "tau_neg": 3.0}),
@@ -109,10 +111,7 @@ def test_cross_entropy_is_a_plain_masked_sum() -> None:
      "trainer.algorithm.clip_cov.clip_ratio"),
     ({"policy_loss_type": "kl_cov", "use_kl_loss": False, "kl_cov": {"kl_cov_frac": 0.0}}, "trainer.algorithm.kl_cov.kl_cov_frac"),
     ({"kl_estimator_type": "abs"}, "trainer.algorithm.kl_estimator_type"),
-    ({"use_tis": True}, "trainer.algorithm.use_tis"),
-    ({"tis_imp_ratio_cap": 2.0}, "trainer.algorithm.tis_imp_ratio_cap"),
     ({"enable_sample_support_replay": True}, "trainer.algorithm.enable_sample_support_replay"),
-    ({"off_policy_correction": {"tis_ratio_type": "token"}}, "trainer.algorithm.off_policy_correction.tis_ratio_type"),
     ({"policy_loss_type": "cispo", "cispo": {"cispo_anchor": "sampler"}}, "trainer.algorithm.cispo.cispo_anchor"),
     ({"use_entropy_loss": True}, "trainer.algorithm.use_entropy_loss"),
     ({"advantage_estimator": "gae"}, "trainer.algorithm.advantage_estimator"),
@@ -125,6 +124,113 @@ def test_what_floe_cannot_honour_is_refused_by_name(extra: dict, field: str) -> 
     with pytest.raises(InvalidInput) as err:
         map_loss({**ALGO, **extra})
     assert err.value.field == field
+
+
+OPC_OFF = {"tis_ratio_type": None, "token_tis_ratio_clip_high": 2.0, "sequence_tis_ratio_clip_high": 5.0,
+           "sequence_mask_metric": None, "geo_mask_high": 1.01, "geo_mask_low": 0.99, "product_mask_high": 2.0,
+           "product_mask_low": 0.5, "outlier_token_is_threshold_low": None, "outlier_token_is_threshold_high": None,
+           "token_mask_is_threshold_low": None, "token_mask_is_threshold_high": None}  # SkyRL 0.4.0's defaults
+
+
+@pytest.mark.parametrize(("extra", "expect"), [
+    ({}, None),
+    ({"off_policy_correction": OPC_OFF}, None),  # SkyRL's full default block: off
+    ({"off_policy_correction": {"tis_ratio_type": "token", "token_tis_ratio_clip_high": 3.0}},
+     {"tis_ratio_type": "token", "token_tis_ratio_clip_high": 3.0}),
+    ({"off_policy_correction": {"tis_ratio_type": "sequence", "sequence_mask_metric": "geometric", "geo_mask_low": 0.9}},
+     {"tis_ratio_type": "sequence", "sequence_mask_metric": "geometric", "geo_mask_low": 0.9}),
+    ({"off_policy_correction": {"sequence_mask_metric": "product", "product_mask_high": 3.0}},
+     {"sequence_mask_metric": "product", "product_mask_high": 3.0}),
+    ({"off_policy_correction": {"outlier_token_is_threshold_high": 100.0}}, {"outlier_token_is_threshold_high": 100.0}),
+    ({"off_policy_correction": {"token_mask_is_threshold_low": 0.5, "token_mask_is_threshold_high": 2.0}},
+     {"token_mask_is_threshold_low": 0.5, "token_mask_is_threshold_high": 2.0}),
+    # deprecated: as SkyRL's validate_cfg rewrites it (and idempotent after it did)
+    ({"use_tis": True, "tis_imp_ratio_cap": 2.5}, {"tis_ratio_type": "token", "token_tis_ratio_clip_high": 2.5}),
+    ({"use_tis": True, "tis_imp_ratio_cap": 2.5, "off_policy_correction": {"tis_ratio_type": "token", "token_tis_ratio_clip_high": 2.5}},
+     {"tis_ratio_type": "token", "token_tis_ratio_clip_high": 2.5}),
+])
+def test_off_policy_correction_maps_to_skyrl_config_in_effect(extra: dict, expect: dict | None) -> None:
+    for kind in OFF_POLICY_LOSSES:
+        m = map_loss({**ALGO, "policy_loss_type": kind, **extra})
+        assert m.off_policy == (None if expect is None else {**OPC_OFF, **expect})
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ({"surprise": 1}, "off_policy_correction.surprise"),
+    ({"tis_ratio_type": "tokens"}, "off_policy_correction.tis_ratio_type"),
+    ({"sequence_mask_metric": "arithmetic"}, "off_policy_correction.sequence_mask_metric"),
+    ({"token_tis_ratio_clip_high": 3.0}, "off_policy_correction.token_tis_ratio_clip_high"),  # TIS off: no effect
+    ({"tis_ratio_type": "token", "sequence_tis_ratio_clip_high": 3.0}, "off_policy_correction.sequence_tis_ratio_clip_high"),
+    ({"geo_mask_high": 1.1}, "off_policy_correction.geo_mask_high"),
+    ({"sequence_mask_metric": "geometric", "product_mask_low": 0.1}, "off_policy_correction.product_mask_low"),
+    ({"tis_ratio_type": "token", "token_tis_ratio_clip_high": 0.0}, "off_policy_correction.token_tis_ratio_clip_high"),
+    ({"sequence_mask_metric": "product", "product_mask_low": 3.0}, "off_policy_correction.product_mask_low"),  # > high
+    ({"token_mask_is_threshold_low": 0.5}, "off_policy_correction.token_mask_is_threshold_high"),  # SkyRL needs both
+    ({"outlier_token_is_threshold_low": -1.0}, "off_policy_correction.outlier_token_is_threshold_low"),
+])
+def test_off_policy_correction_refusals_name_the_key(extra: dict, field: str) -> None:
+    with pytest.raises(InvalidInput) as err:
+        map_loss({**ALGO, "off_policy_correction": extra})
+    assert err.value.field == f"trainer.algorithm.{field}"
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ({"use_tis": True}, "tis_imp_ratio_cap"),  # the -1 default cap would make every weight -1
+    ({"tis_imp_ratio_cap": 2.0}, "tis_imp_ratio_cap"),  # no effect without use_tis
+    ({"use_tis": True, "tis_imp_ratio_cap": 2.0, "off_policy_correction": {"tis_ratio_type": "sequence"}}, "use_tis"),
+    ({"policy_loss_type": "importance_sampling", "off_policy_correction": {"tis_ratio_type": "token"}}, "off_policy_correction"),
+    ({"policy_loss_type": "cross_entropy", "use_tis": True, "tis_imp_ratio_cap": 2.0}, "off_policy_correction"),
+    # SkyRL's clip_cov / kl_cov never call apply_off_policy_correction: it would be ignored
+    ({"policy_loss_type": "clip_cov", "use_kl_loss": False, "off_policy_correction": {"tis_ratio_type": "token"}},
+     "off_policy_correction"),
+    ({"policy_loss_type": "kl_cov", "use_kl_loss": False, "off_policy_correction": {"sequence_mask_metric": "geometric"}},
+     "off_policy_correction"),
+    # cispo's rollout anchor already is the correction: TIS on top double-counts (SkyRL raises); masks alone pass
+    ({"policy_loss_type": "cispo", "cispo": {"cispo_anchor": "rollout"}, "off_policy_correction": {"tis_ratio_type": "token"}},
+     "off_policy_correction.tis_ratio_type"),
+])
+def test_deprecated_tis_and_losses_that_ignore_the_correction_are_refused(extra: dict, field: str) -> None:
+    with pytest.raises(InvalidInput) as err:
+        map_loss({**ALGO, **extra})
+    assert err.value.field == f"trainer.algorithm.{field}"
+
+
+def test_corrected_advantages_reproduce_skyrl_corrected_policy_loss() -> None:
+    """SkyRL's ``loss * tis_ratio`` summed over the corrected mask (apply_off_policy_correction +
+    reduce_loss, transcribed) equals floe's dual-clip ppo with A·ρ̄·keep, value and gradient."""
+    from floe.integrations.skyrl.mapping import corrected_advantages  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(3)
+    rows, width = 5, 6
+    mask = torch.ones(rows, width, dtype=torch.float64)
+    mask[1, :2] = 0.0
+    logp0 = -torch.rand(rows, width, generator=g, dtype=torch.float64) * 3
+    old = logp0 + (torch.rand(rows, width, generator=g, dtype=torch.float64) - 0.5) * 0.8
+    adv = torch.randn(rows, 1, generator=g, dtype=torch.float64).expand(rows, width) / 30
+    tis = torch.rand(rows, width, generator=g, dtype=torch.float64) * 2  # a token-level ratio, truncated at 2
+    corrected = mask.clone()
+    corrected[3] = 0.0  # a rejected sequence
+    corrected[0, 4] = 0.0  # a rejected token
+    logp_a = logp0.clone().requires_grad_()
+    ratio = torch.exp(logp_a - old)
+    pg = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.28) * adv)
+    pg = torch.where(adv < 0, torch.minimum(pg, -3.0 * adv), pg)
+    expected = (pg * tis * corrected).sum()
+    expected.backward()
+
+    m = map_loss({**ALGO, "policy_loss_type": "dual_clip", "clip_ratio_c": 3.0, "use_kl_loss": False,
+                  "off_policy_correction": {"tis_ratio_type": "token"}})
+    a = floe_advantages(corrected_advantages(adv, tis, mask, corrected), mask, token_weights(mask, m.weighting))
+    logp_b = logp0.clone().requires_grad_()
+    n = rows * width
+    x = TokenInputs(logp=logp_b.reshape(-1), weights=mask.reshape(-1), scale=torch.ones(n, dtype=torch.float64),
+                    sample_index=torch.arange(rows).repeat_interleave(width), num_samples=rows,
+                    old_logp=old.reshape(-1), advantages=a.reshape(-1))
+    got, _ = compute_loss(resolve_loss(m.loss, m.loss_config), x)
+    got.backward()
+    assert math.isclose(float(got.detach()), float(expected.detach()), rel_tol=1e-9, abs_tol=1e-12)
+    assert torch.allclose(logp_b.grad, logp_a.grad, atol=1e-12)
+    assert float(logp_b.grad[3].abs().max()) == 0.0 and float(logp_b.grad[0, 4]) == 0.0  # rejected: no policy term
 
 
 def test_refusals_outside_the_algorithm_block() -> None:

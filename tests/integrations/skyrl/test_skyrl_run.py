@@ -8,6 +8,8 @@ loss reduction and RayPPOTrainer loop on a tiny model. Asserted: exit 0; floe's 
 SkyRL's own sampler-vs-trainer log-prob gap `policy/rollout_train_logprobs_abs_diff_mean`
 below 1e-4 at every step; a reward that depends on the model's output (non-zero, varying, so
 advantages and gradients are non-zero); eval metrics before training and at step 2. The
+embedded run sets off-policy correction (deprecated use_tis + a geometric sequence mask) and
+finds SkyRL's correction metrics at every step. The
 `floe serve` run also keeps a warm-up + cosine LR schedule: the rate floe applied at each
 step's last optimizer step is the one SkyRL's own scheduler gives it. A dppo run takes its
 ratio against the rollout log-probs (SkyRL skips the policy forward).
@@ -154,10 +156,21 @@ ON_CPU = ("floe.backend.device=cpu", "floe.backend.sampler.engine.name=torch")
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 def test_skyrl_main_base_with_embedded_floe(assets: dict[str, Path], tmp_path: Path) -> None:
-    proc = run_skyrl(assets, tmp_path, *ON_CPU, f"floe.backend.compute.peak_tflops={PEAK_TFLOPS}")
+    # Off-policy correction: the deprecated use_tis (validate_cfg turns it into token TIS) + a geometric sequence mask.
+    correction = ["trainer.algorithm.use_tis=true", "trainer.algorithm.tis_imp_ratio_cap=2.0",
+                  "trainer.algorithm.off_policy_correction.sequence_mask_metric=geometric"]
+    proc = run_skyrl(assets, tmp_path, *ON_CPU, f"floe.backend.compute.peak_tflops={PEAK_TFLOPS}", *correction)
     check_run(proc, tmp_path, assets["model"], peak_tflops=PEAK_TFLOPS)
     log = (tmp_path / "run.log").read_text()
     assert "floe backend settings: device=cpu dtype=float32 engine=torch placement=local" in log, log[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "export" / "floe_metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "policy/rollout_train_logprobs_abs_diff_mean" in r]
+    assert train
+    for r in train:  # SkyRL's compute_off_policy_correction ran on every mini-batch
+        # floe's sampler and policy agree on every token: ratios 1, nothing masked, nothing capped
+        assert r["policy/loss_metrics/is_ratio_mean"] == pytest.approx(1.0, abs=1e-3), r
+        assert r["policy/loss_metrics/geo_sequence_mask_masked_ratio"] == 0.0, r
+        assert r["policy/loss_metrics/tis_token_clip_high_ratio"] == 0.0, r
 
 
 @pytest.mark.timeout(300)

@@ -4,7 +4,8 @@ parquet) switched to floe — once on the plugin's own backend with the one-key 
 (`trainer.v1.trainer_mode=floe`, the recipe's rollout.name=vllm kept), once against a `floe serve`
 process on loopback with `actor_rollout_ref.rollout.name=floe` as well. The first run also sets
 a warm-up + cosine LR schedule: each step's updates run at the rate verl's own scheduler gives
-that step, and `actor/lr` is the rate after it, as verl logs it. Runs in verl's environment
+that step, and `actor/lr` is the rate after it, as verl logs it; and verl's rollout correction
+(token TIS + token rejection), which verl's trainer computes and the plugin applies. Runs in verl's environment
 (scripts/ci/verl.sh); each run is under an outer timeout."""
 
 from __future__ import annotations
@@ -100,18 +101,30 @@ SCHEDULE = {"lr_scheduler_type": "cosine", "lr_warmup_steps": 2, "min_lr_ratio":
 PEAK_TFLOPS = 0.05
 
 
+# verl's rollout correction (decoupled): token TIS + token-level rejection, computed by verl's trainer.
+ROLLOUT_CORRECTION = {"rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": "token_k1",
+                      "rollout_rs_threshold": "0.5_2.0"}
+
+
 def test_main_ppo_on_the_plugins_own_backend(assets):
     out = assets["root"] / "own"
     schedule = [f"actor_rollout_ref.actor.optim.{k}={v}" for k, v in SCHEDULE.items()]
     # The recipe keeps verl's rollout.name=vllm (the one-key switch); verl's environment has no
     # vLLM, so floe's torch engine stands in for it. A peak for the plugin's CPU backend, so
-    # perf/mfu/actor is a real ratio (the serve run has none: 0).
+    # perf/mfu/actor is a real ratio (the serve run has none: 0). verl's rollout correction
+    # (decoupled: token TIS + token_k1 rejection) computed by verl's trainer on floe's log-probs.
+    correction = [f"algorithm.rollout_correction.{k}={v}" for k, v in ROLLOUT_CORRECTION.items()]
     run = run_main_ppo(grpo_recipe(assets["model"], assets["train"], assets["test"], out, save_freq=STEPS) + schedule
-                       + [ON_CPU, "+floe.backend.sampler.engine.name=torch",
-                          f"+floe.backend.compute.peak_tflops={PEAK_TFLOPS}"], assets["root"] / "own.log",
+                       + correction + [ON_CPU, "+floe.backend.sampler.engine.name=torch",
+                                       f"+floe.backend.compute.peak_tflops={PEAK_TFLOPS}"], assets["root"] / "own.log",
                        switch=VLLM_RECIPE_SWITCH)
     print(f"verl main_ppo on floe (own backend): {run.seconds:.0f} s")
     check_run(run, assets["model"], PEAK_TFLOPS)
+    for s in range(1, STEPS + 1):  # verl's trainer made the weights (the plugin read them) and the mask
+        m = run.steps[s]
+        # floe's sampler and policy agree on every token: weights 1, nothing rejected
+        assert m["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-3), (s, m)
+        assert m["rollout_corr/rollout_rs_masked_fraction"] == 0.0, (s, m)
     # verl's V1 sets total = steps x sync step (1); one rate more: the one actor/lr reports after the last step
     rates = verl_engine_rates({"lr": 1e-3, **SCHEDULE}, total=STEPS, steps=STEPS + 1)
     assert [run.steps[s]["actor/floe/applied_lr"] for s in range(1, STEPS + 1)] == pytest.approx(rates[:STEPS], rel=1e-9)

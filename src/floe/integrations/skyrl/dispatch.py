@@ -3,7 +3,7 @@
 `FloeDispatch` is a duck-typed SkyRL 0.4.0 ``WorkerDispatch`` (the object ``RayPPOTrainer``
 drives): its forward passes become ``client.forward`` (policy or reference zone), each PPO
 mini-batch one ``client.forward_backward`` (loss from mapping.py, weights/advantages chosen
-so floe computes exactly SkyRL's reduction) and ``client.optim_step(lr=...)`` at the rate of
+so floe computes exactly SkyRL's reduction and, when configured, its off-policy correction) and ``client.optim_step(lr=...)`` at the rate of
 SkyRL's own LR scheduler (mapping.lr_scheduler, stepped after every optimizer step as SkyRL's
 FSDP strategy steps it, and set back to floe's restored step on resume), and
 ``save_weights_for_sampler`` a ``client.sync_weights(version=<trainer step>)``, so every sample
@@ -26,7 +26,9 @@ from typing import Any
 import torch
 from skyrl.backends.skyrl_train.distributed.dispatch import WorkerOutput
 from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
+from skyrl.backends.skyrl_train.utils.off_policy_correction_utils import compute_off_policy_correction
 from skyrl.backends.skyrl_train.workers.worker_utils import compute_minibatch_rollout_logprob_diff_metrics
+from skyrl.train.config.config import OffPolicyCorrectionConfig
 from skyrl.train.trainer import RayPPOTrainer
 
 import floe
@@ -35,7 +37,14 @@ from floe.compute.flops import mfu
 from floe.convert import skyrl_to_batch, skyrl_token_values
 from floe.errors import InvalidInput
 from floe.integrations.skyrl.inference import FloeInferenceClient
-from floe.integrations.skyrl.mapping import SkyRLLoss, floe_advantages, lr_scheduler, optimizer_steps, token_weights
+from floe.integrations.skyrl.mapping import (
+    SkyRLLoss,
+    corrected_advantages,
+    floe_advantages,
+    lr_scheduler,
+    optimizer_steps,
+    token_weights,
+)
 from floe.integrations.stand_in import advance
 
 ZONES = {"policy": "policy", "ref": "reference"}
@@ -133,7 +142,8 @@ class FloeDispatch:
             raise InvalidInput("loss_fn", "per-call loss overrides are not supported; set trainer.algorithm.policy_loss_type")
         loss_mask = data["loss_mask"]
         weights = token_weights(loss_mask, self.loss.weighting, self.cfg.trainer.micro_train_batch_size_per_gpu)
-        advantages = floe_advantages(data["advantages"], loss_mask, weights)
+        advantages, off_policy_metrics = self._off_policy_corrected(data)
+        advantages = floe_advantages(advantages, loss_mask, weights)
         use_ref = "kl" in self.loss.loss_config
         width = data["response_mask"].shape[1]
         layout = skyrl_to_batch(
@@ -157,9 +167,26 @@ class FloeDispatch:
                                     ("ratio_mean", "loss_metrics/ratio_mean"), ("kl_sampler_k3", "floe_kl_sampler_k3")):
             if floe_key in res.metrics:
                 metrics[skyrl_key] = res.metrics[floe_key]
+        metrics.update({f"loss_metrics/{k}": v for k, v in off_policy_metrics.items()})
         rollout = data.get("rollout_logprobs")
         metrics.update(compute_minibatch_rollout_logprob_diff_metrics(new_logprobs, rollout, loss_mask.to(new_logprobs.dtype)))
         return WorkerOutput(loss_fn_outputs=[{"logprobs": row.tolist()} for row in new_logprobs], metrics=metrics)
+
+    def _off_policy_corrected(self, data: TrainingInputBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """The mini-batch's advantages with SkyRL's off-policy correction folded in (mapping.
+        corrected_advantages), and SkyRL's metrics of it; unchanged when the correction is off.
+        The correction is SkyRL's own ``compute_off_policy_correction`` on old (trainer) vs
+        rollout (sampler) log-probs, as its policy losses call it."""
+        if self.loss.off_policy is None:
+            return data["advantages"], {}
+        rollout = data.get("rollout_logprobs")
+        if rollout is None:
+            raise InvalidInput("trainer.algorithm.off_policy_correction",
+                               "needs the sampler's log-probs (generator.sampling_params.logprobs); the batch has none")
+        loss_mask = data["loss_mask"]
+        tis, metrics, corrected = compute_off_policy_correction(
+            data["action_log_probs"], rollout, loss_mask, OffPolicyCorrectionConfig(**self.loss.off_policy))  # type: ignore[arg-type]
+        return corrected_advantages(data["advantages"], tis, loss_mask, corrected), metrics
 
     def forward_backward_from_staged(self, model: str, chunk_refs: list[_Chunk], **kwargs: Any) -> WorkerOutput:
         return self.forward_backward(model, chunk_refs[0].data, **kwargs)

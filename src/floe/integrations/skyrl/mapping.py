@@ -37,10 +37,26 @@ refused with use_kl_loss or use_entropy_loss. SkyRL computes their covariance an
 per micro-batch (trainer.micro_train_batch_size_per_gpu rows), floe over the whole mini-batch
 (one forward_backward): the same when one micro-batch holds the GPU's whole mini-batch
 (micro_train_batch_size_per_gpu >= policy_mini_batch_size · n_samples_per_prompt / GPUs).
+
+Off-policy correction (``off_policy_correction.*``, and the deprecated ``use_tis`` /
+``tis_imp_ratio_cap``) enters the same way. SkyRL's policy losses end with
+``apply_off_policy_correction``: the per-token loss times the TIS ratio ρ̄ (token or sequence,
+truncated), summed over the loss mask times the outlier / token / sequence masks; the KL and
+entropy terms keep the original mask, and the pre-scaled advantages keep the original
+denominators. So the plugin runs SkyRL's own ``compute_off_policy_correction`` on the mini-batch
+(old vs rollout log-probs) and sends A·ρ̄·keep as the advantage (``corrected_advantages``): a
+rejected token keeps its KL / entropy weight and contributes no policy term, as in SkyRL.
+SkyRL calls ``apply_off_policy_correction`` in regular / dual_clip, gspo, sapo, cispo, rollout_is
+and dppo (each positively homogeneous in A: dppo's trust-region mask and sapo's gate read only
+sign(A), gspo is GSPO-token, so the fold is exact for each, ``OFF_POLICY_LOSSES``); its
+clip_cov, kl_cov, importance_sampling and cross_entropy losses never call it, so the correction
+with those is refused by key (``IGNORES_OFF_POLICY``: SkyRL would ignore it), and so is TIS with
+cispo's rollout anchor (SkyRL raises: the anchor already is the correction).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -89,15 +105,22 @@ MAPPED = frozenset({
 })
 # Keys floe refuses unless they hold SkyRL's default (off) value.
 MUST_BE_DEFAULT: dict[str, Any] = {
-    "use_tis": False,
-    "tis_imp_ratio_cap": -1.0,
     "enable_sample_support_replay": False,
 }
-OFF_POLICY_OFF: dict[str, Any] = {
-    "tis_ratio_type": None, "sequence_mask_metric": None, "outlier_token_is_threshold_low": None,
-    "outlier_token_is_threshold_high": None, "token_mask_is_threshold_low": None,
-    "token_mask_is_threshold_high": None,
+# The deprecated TIS switch (validate_cfg turns use_tis into off_policy_correction.tis_ratio_type=token).
+DEPRECATED_TIS = {"use_tis": False, "tis_imp_ratio_cap": -1.0}
+# SkyRL 0.4.0 OffPolicyCorrectionConfig: every key and its default.
+OFF_POLICY_DEFAULTS: dict[str, Any] = {
+    "tis_ratio_type": None, "token_tis_ratio_clip_high": 2.0, "sequence_tis_ratio_clip_high": 5.0,
+    "sequence_mask_metric": None, "geo_mask_high": 1.01, "geo_mask_low": 0.99, "product_mask_high": 2.0,
+    "product_mask_low": 0.5, "outlier_token_is_threshold_low": None, "outlier_token_is_threshold_high": None,
+    "token_mask_is_threshold_low": None, "token_mask_is_threshold_high": None,
 }
+# SkyRL policy losses whose function ignores off_policy_correction (compute_policy_loss_clip_cov / _kl_cov,
+# importance_sampling_loss, cross_entropy_loss never call apply_off_policy_correction).
+IGNORES_OFF_POLICY = ("clip_cov", "kl_cov", "importance_sampling", "cross_entropy")
+# The others call it, and each is positively homogeneous in A: the fold A·ρ̄·keep is exact.
+OFF_POLICY_LOSSES = ("regular", "dual_clip", "gspo", "sapo", "cispo", "rollout_is", "dppo")
 
 
 @dataclass(frozen=True)
@@ -110,6 +133,7 @@ class SkyRLLoss:
     weighting: Weighting
     temperature: float
     behaviour: Behaviour = "old"
+    off_policy: dict[str, Any] | None = None  # the OffPolicyCorrectionConfig in effect (None: off)
 
 
 def _key(name: str) -> str:
@@ -127,7 +151,7 @@ def map_loss(
     for anything floe cannot honour exactly, including keys this mapping does not know.
     """
     for name in algorithm:
-        if name not in TRAINER_SIDE | UNUSED_WHEN_REFUSED | MAPPED | MUST_BE_DEFAULT.keys() | {"off_policy_correction"}:
+        if name not in TRAINER_SIDE | UNUSED_WHEN_REFUSED | MAPPED | MUST_BE_DEFAULT.keys() | DEPRECATED_TIS.keys() | {"off_policy_correction"}:
             raise InvalidInput(_key(name), f"not a SkyRL {SKYRL_VERSION} algorithm key known to floe's mapping")
     if has_critic:
         raise InvalidInput("trainer.critic.model.path", "floe has no value model; use a critic-free estimator (grpo, rloo, ...)")
@@ -136,13 +160,15 @@ def map_loss(
     for name, default in MUST_BE_DEFAULT.items():
         if algorithm.get(name, default) != default:
             raise InvalidInput(_key(name), f"not supported by floe (must stay {default!r})")
-    for name, default in OFF_POLICY_OFF.items():
-        if (algorithm.get("off_policy_correction") or {}).get(name, default) != default:
-            raise InvalidInput(_key(f"off_policy_correction.{name}"), "off-policy correction is not supported by floe")
+    off_policy = off_policy_correction(algorithm)
 
     kind = algorithm.get("policy_loss_type", "regular")
     if kind not in POLICY_LOSSES:
         raise InvalidInput(_key("policy_loss_type"), f"{kind!r} has no floe equivalent; supported: {', '.join(POLICY_LOSSES)}")
+    if off_policy is not None and kind in IGNORES_OFF_POLICY:
+        raise InvalidInput(_key("off_policy_correction"), f"SkyRL's {kind!r} loss ignores off-policy correction "
+                           "(it never calls apply_off_policy_correction); turn the correction off or use one of "
+                           f"{', '.join(OFF_POLICY_LOSSES)}")
     loss = POLICY_LOSSES[kind]
     cfg: dict[str, Any] = {"aggregation": "sum"}
     behaviour: Behaviour = "old"
@@ -162,6 +188,10 @@ def map_loss(
         if anchor not in ("old", "rollout"):
             raise InvalidInput(_key("cispo.cispo_anchor"), f"must be 'old' or 'rollout' (as in SkyRL), got {anchor!r}")
         behaviour = "old" if anchor == "old" else "rollout"
+        if anchor == "rollout" and off_policy is not None and off_policy["tis_ratio_type"] is not None:
+            raise InvalidInput(_key("off_policy_correction.tis_ratio_type"), "cispo with cispo_anchor='rollout' is already "
+                               "rollout-anchored (it is the off-policy correction); TIS would double-count it, SkyRL "
+                               "raises: set tis_ratio_type=null (masks only) or cispo_anchor='old'")
         cfg["clip_low"] = _clip_low(cispo.get("cispo_eps_clip_low", 1.0), "cispo.cispo_eps_clip_low")
         cfg["clip_high"] = _non_negative(cispo.get("cispo_eps_clip_high", 4.0), "cispo.cispo_eps_clip_high")
     if kind == "rollout_is":  # -sg(r·1[1-eps_low < r < 1+eps_high])·A·logp against the rollout log-probs
@@ -220,7 +250,7 @@ def map_loss(
     temperature = algorithm.get("temperature")
     if temperature is None or not float(temperature) > 0:
         raise InvalidInput(_key("temperature"), f"must be > 0 (SkyRL's validate_cfg copies the sampling temperature), got {temperature!r}")
-    return SkyRLLoss(loss, cfg, weighting, float(temperature), behaviour)
+    return SkyRLLoss(loss, cfg, weighting, float(temperature), behaviour, off_policy)
 
 
 def _share(value: Any, name: str) -> float:
@@ -230,6 +260,92 @@ def _share(value: Any, name: str) -> float:
     if not v > 0:
         raise InvalidInput(_key(name), f"must be > 0, got {value!r}")
     return min(v, 1.0)
+
+
+def _positive(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise InvalidInput(_key(name), f"must be a positive number, got {value!r}")
+    return float(value)
+
+
+def off_policy_correction(algorithm: Mapping[str, Any]) -> dict[str, Any] | None:
+    """SkyRL 0.4.0's off-policy correction in effect, as OffPolicyCorrectionConfig fields, or None when off.
+
+    ``trainer.algorithm.off_policy_correction`` (every key of OFF_POLICY_DEFAULTS), with the
+    deprecated ``use_tis`` = true read as SkyRL's validate_cfg reads it (tis_ratio_type "token",
+    token_tis_ratio_clip_high = ``tis_imp_ratio_cap``). Refused, naming the key: unknown keys,
+    values SkyRL would reject or misuse (a non-positive cap or bound, low > high, ``use_tis`` with
+    the -1 default cap: every weight would be -1), a setting whose feature is off (SkyRL ignores
+    it: a cap without its ``tis_ratio_type``, mask bounds without their ``sequence_mask_metric``,
+    one of the two ``token_mask_is_threshold_*``, ``tis_imp_ratio_cap`` without ``use_tis``), and
+    ``use_tis`` with ``tis_ratio_type=sequence`` (validate_cfg would overwrite it).
+    """
+    given = algorithm.get("off_policy_correction") or {}
+    if not isinstance(given, Mapping):
+        raise InvalidInput(_key("off_policy_correction"), f"must be a mapping, got {type(given).__name__}")
+    for name in given:
+        if name not in OFF_POLICY_DEFAULTS:
+            raise InvalidInput(_key(f"off_policy_correction.{name}"), f"not a SkyRL {SKYRL_VERSION} off_policy_correction key")
+    c = {**OFF_POLICY_DEFAULTS, **given}
+    use_tis, cap = algorithm.get("use_tis", False), algorithm.get("tis_imp_ratio_cap", -1.0)
+    if use_tis:
+        if c["tis_ratio_type"] not in (None, "token"):
+            raise InvalidInput(_key("use_tis"), f"is token-level TIS; it conflicts with off_policy_correction.tis_ratio_type={c['tis_ratio_type']!r}")
+        c["tis_ratio_type"], c["token_tis_ratio_clip_high"] = "token", _positive(cap, "tis_imp_ratio_cap")
+    elif cap != DEPRECATED_TIS["tis_imp_ratio_cap"]:
+        raise InvalidInput(_key("tis_imp_ratio_cap"), "has no effect without use_tis; use "
+                           "off_policy_correction.tis_ratio_type=token and token_tis_ratio_clip_high")
+
+    def off_unless(feature_on: bool, names: tuple[str, ...], why: str) -> None:
+        for name in names:
+            if not feature_on and c[name] != OFF_POLICY_DEFAULTS[name]:
+                raise InvalidInput(_key(f"off_policy_correction.{name}"), f"has no effect {why}")
+
+    tis = c["tis_ratio_type"]
+    if tis not in (None, "token", "sequence"):
+        raise InvalidInput(_key("off_policy_correction.tis_ratio_type"), f"must be null, 'token' or 'sequence', got {tis!r}")
+    off_unless(tis == "token", ("token_tis_ratio_clip_high",), "unless tis_ratio_type=token")
+    off_unless(tis == "sequence", ("sequence_tis_ratio_clip_high",), "unless tis_ratio_type=sequence")
+    metric = c["sequence_mask_metric"]
+    if metric not in (None, "product", "geometric"):
+        raise InvalidInput(_key("off_policy_correction.sequence_mask_metric"), f"must be null, 'product' or 'geometric', got {metric!r}")
+    off_unless(metric == "geometric", ("geo_mask_low", "geo_mask_high"), "unless sequence_mask_metric=geometric")
+    off_unless(metric == "product", ("product_mask_low", "product_mask_high"), "unless sequence_mask_metric=product")
+    pairs = [("outlier_token_is_threshold_low", "outlier_token_is_threshold_high"),
+             ("token_mask_is_threshold_low", "token_mask_is_threshold_high")]
+    if metric is not None:
+        pairs.append(("geo_mask_low", "geo_mask_high") if metric == "geometric" else ("product_mask_low", "product_mask_high"))
+    for name in ("token_tis_ratio_clip_high", "sequence_tis_ratio_clip_high"):
+        _positive(c[name], f"off_policy_correction.{name}")
+    for low, high in pairs:
+        lo = None if c[low] is None else _positive(c[low], f"off_policy_correction.{low}")
+        hi = None if c[high] is None else _positive(c[high], f"off_policy_correction.{high}")
+        if lo is not None and hi is not None and lo > hi:
+            raise InvalidInput(_key(f"off_policy_correction.{low}"), f"must be <= {high} ({lo} > {hi})")
+    if (c["token_mask_is_threshold_low"] is None) != (c["token_mask_is_threshold_high"] is None):
+        name = "token_mask_is_threshold_low" if c["token_mask_is_threshold_low"] is None else "token_mask_is_threshold_high"
+        raise InvalidInput(_key(f"off_policy_correction.{name}"), "SkyRL masks tokens only when both "
+                           "token_mask_is_threshold_low and _high are set; set both, or neither")
+    enabled = (tis is not None or metric is not None or c["outlier_token_is_threshold_low"] is not None
+               or c["outlier_token_is_threshold_high"] is not None or c["token_mask_is_threshold_low"] is not None)
+    return c if enabled else None
+
+
+def corrected_advantages(advantages: torch.Tensor, tis_ratio: torch.Tensor | None, loss_mask: torch.Tensor,
+                         corrected_mask: torch.Tensor) -> torch.Tensor:
+    """SkyRL's off-policy correction folded into the (pre-scaled) advantages, [B, R]:
+    A·ρ̄·keep, keep = corrected_mask / loss_mask (0 where SkyRL's masks rejected a token).
+
+    `tis_ratio` ([B, R] or [B, 1], None without TIS) and `corrected_mask` are what SkyRL's
+    ``compute_off_policy_correction(old, rollout, loss_mask, cfg)`` returns. Exact for SkyRL's
+    ``loss * tis_ratio`` summed over ``corrected_mask``: its losses (ppo, dual clip, gspo-token,
+    cispo) are positively homogeneous in A and ρ̄ ≥ 0 (see the module doc)."""
+    m = loss_mask.to(torch.float64)
+    keep = torch.where(m > 0, corrected_mask.to(torch.float64) / torch.where(m > 0, m, torch.ones_like(m)), torch.zeros_like(m))
+    scale = keep if tis_ratio is None else keep * tis_ratio.to(torch.float64)
+    if bool((scale < 0).any()):
+        raise InvalidInput("trainer.algorithm.off_policy_correction", "SkyRL's TIS ratio must be >= 0")
+    return advantages.to(torch.float64) * scale
 
 
 def _non_negative(value: Any, name: str) -> float:

@@ -53,7 +53,7 @@ from floe.errors import InvalidInput
 from floe.integrations.hardware import describe
 from floe.integrations.verl.backend_config import floe_target
 from floe.integrations.verl.local_server import LocalServer
-from floe.integrations.verl.loss_mapping import VerlLoss, verl_loss
+from floe.integrations.verl.loss_mapping import VerlLoss, verl_loss, weighted_advantages
 from floe.integrations.verl.rollout_mapping import floe_sampling_params
 from floe.integrations.verl.schedule import VerlSchedule
 from floe.integrations.verl.throughput import ActorThroughput
@@ -175,7 +175,8 @@ class FloeWorkerGroup:
     def update_actor(self, batch: Any) -> dict[str, Any]:
         """verl's PPO update: its mini-batches (same size, epochs, seed and shuffle as verl's
         own iterator), each one floe forward_backward + optim_step at verl's scheduled rate for
-        this step; then verl's scheduler advances once (schedule.py), and `lr` reports the new
+        this step (with verl's rollout IS weights, when its trainer wrote them, folded into the
+        advantages: loss_mapping.weighted_advantages); then verl's scheduler advances once (schedule.py), and `lr` reports the new
         rate as verl's engine does (`floe/applied_lr`, logged as actor/floe/applied_lr: the rate the
         steps ran at). `mfu` (perf/mfu/actor) is verl's FlopsCounter over the step's sequences and
         the backend's measured seconds of its forward_backward calls, with tokens/s beside it
@@ -184,10 +185,17 @@ class FloeWorkerGroup:
         extra = ["response_mask", "old_log_probs", "advantages"]
         if self.loss.needs_ref_logprobs:
             extra.append("ref_log_prob")
+        if self.loss.rollout_is_weights:
+            if batch.fields is not None and "rollout_is_weights" not in batch.fields:
+                raise InvalidInput("algorithm.rollout_correction.rollout_is",
+                                   "verl's trainer wrote no rollout_is_weights (the batch has no rollout_log_probs)")
+            extra.append("rollout_is_weights")
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
                                select_fields=["prompts", "responses", "uid", *extra])
         prompts, responses, uids = _rows(data, "prompts"), _rows(data, "responses"), _non_tensor(data, "uid")
         per_token = {name: _rows(data, name) for name in extra}
+        if self.loss.rollout_is_weights:  # verl's pg_losses * rollout_is_weights, as A·w (loss_mapping)
+            per_token["advantages"] = weighted_advantages(per_token["advantages"], per_token["rollout_is_weights"])
         n = len(uids)
         mini = int(info.get("mini_batch_size") or n)
         order = TensorDict({"row": torch.arange(n)}, batch_size=[n])
@@ -199,11 +207,15 @@ class FloeWorkerGroup:
         seconds = tokens = 0.0
         for part in iterator:
             rows = part["row"].tolist()
+            advantages = [per_token["advantages"][i] for i in rows]
+            if self.loss.bypass is not None:
+                advantages = self._bypass_advantages(rows, prompts, responses, uids, per_token, advantages,
+                                                     temperature, metrics)
             layout = verl_to_batch(
                 [prompts[i] for i in rows], [responses[i] for i in rows], [uids[i] for i in rows],
                 response_mask=[per_token["response_mask"][i] for i in rows],
                 old_log_probs=[per_token["old_log_probs"][i] for i in rows],
-                advantages=[per_token["advantages"][i] for i in rows],
+                advantages=advantages,
                 ref_log_probs=[per_token["ref_log_prob"][i] for i in rows] if self.loss.needs_ref_logprobs else None,
             )
             fb = self.client.forward_backward(layout.batch, self.loss.loss, self.loss.loss_config, temperature=temperature)
@@ -226,6 +238,26 @@ class FloeWorkerGroup:
         if "mfu" not in metrics:  # no update ran: verl's trainer pops actor/mfu all the same
             metrics["mfu"] = [0.0]
         return {"metrics": dict(metrics)}
+
+    def _bypass_advantages(self, rows: list[int], prompts: list[list[int]], responses: list[list[int]], uids: list[Any],
+                           per_token: dict[str, list[list[float]]], advantages: list[list[float]], temperature: float,
+                           metrics: dict[str, list[float]]) -> list[list[float]]:
+        """verl's bypass_mode loss on this mini-batch (bypass.py): the policy's log-probs now (one
+        floe forward at the current weights), verl's correction against the sampler's log-probs
+        (`old_log_probs` in bypass mode), folded into the advantages; its metrics appended."""
+        from floe.integrations.verl.bypass import bypass_advantages  # noqa: PLC0415 - only this mode needs it
+
+        assert self.loss.bypass is not None
+        masks = [per_token["response_mask"][i] for i in rows]
+        rollout = [per_token["old_log_probs"][i] for i in rows]
+        layout = verl_to_batch([prompts[i] for i in rows], [responses[i] for i in rows], [uids[i] for i in rows])
+        current = layout.per_row(self.client.forward(layout.batch, zone="policy", temperature=temperature).logprobs)
+        self.calls["forward"] += 1
+        out, rc_metrics = bypass_advantages(self.loss.bypass, self.loss.loss_config["aggregation"], current, rollout,
+                                            masks, advantages)
+        for key, value in rc_metrics.items():
+            metrics[key].append(value)
+        return out
 
     def save_checkpoint(self, local_path: str, hdfs_path: str | None = None, global_step: int = 0,
                         max_ckpt_to_keep: int | None = None) -> None:
