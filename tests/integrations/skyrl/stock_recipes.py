@@ -7,15 +7,7 @@ model, data, sizes, placement, device and logging (tests/integrations/skyrl/test
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class StockRecipe:
-    name: str
-    source: str  # path in SkyRL's repository at a9564572
-    keys: tuple[str, ...]
-
+from tests.integrations.stock import StockRecipe, key_name
 
 RECIPES: dict[str, StockRecipe] = {r.name: r for r in (
     StockRecipe('grpo_gsm8k', 'examples/train/gsm8k/run_gsm8k.sh', (
@@ -429,10 +421,6 @@ RECIPES: dict[str, StockRecipe] = {r.name: r for r in (
 )}
 
 
-def _name(key: str) -> str:
-    return key.split("=", 1)[0].lstrip("+")
-
-
 # What `cpu_sized` replaces: model, data (and the environment that scores it), sizes, placement,
 # device and precision, evaluation, checkpoints and logging. Everything else (estimator, loss and
 # its keys, reductions, KL, learning rate, generator mode, ...) stays as the recipe has it.
@@ -462,10 +450,10 @@ def cpu_sized(recipe: StockRecipe, base: list[str], max_seq_len: int) -> list[st
     and device win) with every other key the recipe's own, Dr. GRPO's `max_seq_len` (a length)
     set to this run's prompt + response length, no evaluation, and floe's CPU keys
     (`floe.backend.device=cpu`; the torch engine in place of vLLM, which SkyRL's environment lacks)."""
-    stock = {_name(k): k for k in recipe.keys}
+    stock = {key_name(k): k for k in recipe.keys}
     # the base's own algorithm choices never reach a stock recipe: what it leaves unset is SkyRL's default
-    out = [k for k in base if _is_cpu_key(_name(k)) or (_name(k) not in stock and not _is_base_algorithm(_name(k)))]
-    out = [k for k in out if not _name(k).startswith("trainer.eval_")]
+    out = [k for k in base if _is_cpu_key(key_name(k)) or (key_name(k) not in stock and not _is_base_algorithm(key_name(k)))]
+    out = [k for k in out if not key_name(k).startswith("trainer.eval_")]
     out += [k for name, k in stock.items() if not _is_cpu_key(name) and name != "trainer.algorithm.max_seq_len"]
     if "trainer.algorithm.max_seq_len" in stock:
         out.append(f"trainer.algorithm.max_seq_len={max_seq_len}")

@@ -28,8 +28,7 @@ import pytest
 from transformers import AutoConfig
 
 from floe.compute.flops import TransformerShape, training_flops
-from floe.models import make_tiny
-from tests.integrations.skyrl.assets import make_parquet, skyrl_rates
+from tests.integrations.skyrl.assets import skyrl_rates
 from tests.server.conftest import ServerProcess, free_port, write_config
 
 pytestmark = pytest.mark.skyrl
@@ -39,16 +38,6 @@ STEPS = 3
 TRAIN_BATCH, MINI_BATCH, N_SAMPLES = 4, 2, 2
 RUN_TIMEOUT_S = 900
 PEAK_TFLOPS = 0.05  # the embedded run's configured peak (the serve run has none)
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("skyrl-assets")
-    return {
-        "model": make_tiny(root / "tiny", hidden_size=64, num_hidden_layers=2),
-        "train": make_parquet(root / "train.parquet", rows=24, seed=0),
-        "val": make_parquet(root / "val.parquet", rows=8, seed=1),
-    }
 
 
 def recipe_args(assets: dict[str, Path], out: Path) -> list[str]:

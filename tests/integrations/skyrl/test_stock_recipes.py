@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from floe.models import make_tiny
-from tests.integrations.skyrl.assets import make_parquet
 from tests.integrations.skyrl.stock_recipes import RECIPES, cpu_sized
 from tests.integrations.skyrl.test_skyrl_run import recipe_args, run_skyrl
 
@@ -20,16 +18,6 @@ pytestmark = pytest.mark.skyrl
 
 STEPS = 2
 MAX_SEQ_LEN = 192 + 16  # recipe_args' max_prompt_length + max_generate_length
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("skyrl-stock")
-    return {
-        "model": make_tiny(root / "tiny", hidden_size=64, num_hidden_layers=2),
-        "train": make_parquet(root / "train.parquet", rows=24, seed=0),
-        "val": make_parquet(root / "val.parquet", rows=8, seed=1),
-    }
 
 
 # Recipes refused before training, by the key and why (docs/integrations.md's table): SkyRL's KL

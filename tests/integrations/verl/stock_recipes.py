@@ -1,21 +1,13 @@
 """verl's own example recipes, as the stock scripts run them: the command-line keys of
 `examples/<algorithm>_trainer/run_qwen3_8b_fsdp.sh` at verl's v0.9.0 tag (the newest tag in the
-mirror; verl 0.9.1 ships the same scripts), each script's shell defaults for the GPU branch
-expanded. Transcribed, not copied: only the keys. `cpu_sized` keeps every algorithm key and
+mirror; every run goes through verl 0.9.1's own config, which accepts them), each script's shell
+defaults for the GPU branch expanded. Transcribed, not copied: only the keys. `cpu_sized` keeps every algorithm key and
 replaces only the model, data, sizes, device and logging for this CPU machine
 (tests/integrations/verl/test_stock_recipes.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class StockRecipe:
-    name: str
-    source: str  # path in verl's repository, tag v0.9.0
-    keys: tuple[str, ...]
-
+from tests.integrations.stock import StockRecipe, key_name
 
 RECIPES: dict[str, StockRecipe] = {r.name: r for r in (
     StockRecipe('grpo', 'examples/grpo_trainer/run_qwen3_8b_fsdp.sh', (
@@ -420,10 +412,6 @@ RECIPES: dict[str, StockRecipe] = {r.name: r for r in (
 )}
 
 
-def _name(key: str) -> str:
-    return key.split("=", 1)[0].lstrip("+")
-
-
 # What `cpu_sized` replaces in a stock recipe: model, data, sizes, device, parallelism and logging.
 # Everything else (estimator, loss, clips, KL, entropy, learning rate, offload, dynamic batching
 # switches, ...) stays as the recipe has it.
@@ -448,10 +436,10 @@ def cpu_sized(recipe: StockRecipe, base: list[str]) -> list[str]:
     whose model, data, sizes and device win) with every other key the recipe's own, token budgets
     for tiny sequences, no validation, and floe's CPU keys (`+floe.backend.device=cpu`; the torch
     engine in place of vLLM, which verl's environment lacks)."""
-    stock = {_name(k): k for k in recipe.keys}
+    stock = {key_name(k): k for k in recipe.keys}
     # the base's own algorithm choices never reach a stock recipe: what it leaves unset is verl's default
-    out = [k for k in base if _name(k) in CPU_KEYS or (_name(k) not in stock and _name(k) not in BASE_ALGORITHM)]
-    out = [k for k in out if _name(k) not in ("trainer.val_before_train", "trainer.test_freq")]
+    out = [k for k in base if key_name(k) in CPU_KEYS or (key_name(k) not in stock and key_name(k) not in BASE_ALGORITHM)]
+    out = [k for k in out if key_name(k) not in ("trainer.val_before_train", "trainer.test_freq")]
     out += [k for name, k in stock.items() if name not in CPU_KEYS and name not in TOKEN_BUDGETS]
     out += [f"{name}=2048" for name in TOKEN_BUDGETS if name in stock]
     out += ["trainer.val_before_train=False", "trainer.test_freq=-1", "+floe.backend.device=cpu",
