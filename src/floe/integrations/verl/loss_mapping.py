@@ -142,12 +142,13 @@ class VerlLoss:
 _RATIO_CLAMPS = ("vanilla", "cispo", "gspo", "clip_cov")
 
 
-def _number(cfg: Mapping[str, Any], key: str, default: float | None) -> float | None:
+def _number(cfg: Mapping[str, Any], key: str, default: float | None, where: str = ACTOR) -> float | None:
+    """cfg[key] (or `default`) as a float; InvalidInput("<where>.<key>") unless a finite number or None."""
     value = cfg.get(key, default)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidInput(f"{ACTOR}.{key}", f"must be a finite number, got {value!r}")
+        raise InvalidInput(f"{where}.{key}", f"must be a finite number, got {value!r}")
     return float(value)
 
 
@@ -308,12 +309,7 @@ def _policy_loss(
 
 
 def _policy_number(policy_loss: Mapping[str, Any], key: str, default: float | None) -> float | None:
-    value = policy_loss.get(key, default)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidInput(f"{ACTOR}.policy_loss.{key}", f"must be a finite number, got {value!r}")
-    return float(value)
+    return _number(policy_loss, key, default, f"{ACTOR}.policy_loss")
 
 
 RC = f"{ALGORITHM}.rollout_correction"
