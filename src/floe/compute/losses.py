@@ -126,9 +126,12 @@ class SAPOConfig(LossConfig):
 
 
 class DPPOConfig(LossConfig):
-    """Divergence PPO: tokens whose probability moved too far (TV or binary KL) are dropped."""
+    """Divergence PPO: tokens whose probability moved too far (TV or binary KL) are dropped.
 
-    divergence: Literal["binary_tv", "binary_kl"] = "binary_tv"
+    binary_tv / binary_kl look only in the direction the advantage pushes (DPPO); tv drops a token
+    whose probability moved beyond [−delta_low, delta_high] either way (prime-rl's `ipo` loss)."""
+
+    divergence: Literal["binary_tv", "binary_kl", "tv"] = "binary_tv"
     delta_low: float = Field(0.2, ge=0, description="divergence threshold for tokens with A <= 0")
     delta_high: float = Field(0.2, ge=0, description="divergence threshold for tokens with A > 0")
     surrogate: Literal["ratio", "log_prob"] = Field(
@@ -359,11 +362,14 @@ def dppo_valid(cfg: DPPOConfig, logp: torch.Tensor, old: torch.Tensor, adv: torc
     """DPPO's binary trust-region mask [T] (bool, no gradient; DPPO, arXiv 2602.04879),
     as verl's compute_policy_loss_dppo_tv / _dppo_kl and SkyRL's dppo_policy_loss compute it.
     p = exp(logp), q = exp(old). binary_tv: A > 0 keeps p − q <= delta_high, A <= 0 keeps
-    p − q >= −delta_low. binary_kl with D = q·(old − logp) + (1 − q)·log((1 − q + 1e-8)/(1 − p + 1e-8)):
+    p − q >= −delta_low (also prime-rl's default_loss_fn). tv, whatever A's sign: keeps
+    −delta_low <= p − q <= delta_high (prime-rl's ipo_loss_fn with both = ipo_threshold). binary_kl with D = q·(old − logp) + (1 − q)·log((1 − q + 1e-8)/(1 − p + 1e-8)):
     A > 0 keeps D <= delta_high or p <= q, A <= 0 keeps D <= delta_low or p >= q."""
     import torch  # noqa: PLC0415 - see the note at the top
     with torch.no_grad():
         p, q = torch.exp(logp), torch.exp(old)
+        if cfg.divergence == "tv":
+            return ((p - q) <= cfg.delta_high) & ((p - q) >= -cfg.delta_low)
         if cfg.divergence == "binary_tv":
             keep_pos, keep_neg = (p - q) <= cfg.delta_high, (p - q) >= -cfg.delta_low
         else:

@@ -9,23 +9,29 @@ from floe.errors import InvalidInput
 from floe.integrations.prime_rl.loss_mapping import map_loss, native_loss
 
 
-def test_unmasked_default_loss_maps_to_importance_sampling_with_k2_kl() -> None:
-    m = map_loss({"dppo_mask_low": 1.0, "dppo_mask_high": 1.0, "adv_tau": 0.5, "kl_tau": 0.01})
-    assert m.name == "importance_sampling"
-    assert m.config == {"aggregation": "sum", "kl": {"coef": 0.02, "estimator": "k2"}}
-    assert m.advantage_scale == 0.5 and m.ref_is_inference
+def test_default_loss_maps_to_dppo_with_its_trust_region_and_k2_kl() -> None:
+    m = map_loss(None)  # prime-rl's defaults: masks 0.2, adv_tau 1, kl_tau 1e-3
+    assert m.name == "dppo"
+    assert m.config == {"divergence": "binary_tv", "delta_low": 0.2, "delta_high": 0.2, "surrogate": "ratio",
+                        "aggregation": "sum", "kl": {"coef": 2e-3, "estimator": "k2"}}
+    assert m.advantage_scale == 1.0 and m.ref_is_inference
+    m = map_loss({"dppo_mask_low": 0.1, "dppo_mask_high": 0.3, "adv_tau": 0.5, "kl_tau": 0.01})
+    assert (m.config["delta_low"], m.config["delta_high"], m.config["kl"]["coef"], m.advantage_scale) == (0.1, 0.3, 0.02, 0.5)
     resolve_loss(m.name, m.config)  # floe accepts it as is
 
 
-def test_ipo_without_mask_and_without_kl() -> None:
-    m = map_loss({"type": "ipo", "ipo_threshold": 1.5, "kl_tau": 0})
-    assert m.config == {"aggregation": "sum"} and not m.ref_is_inference and m.advantage_scale == 1.0
+def test_ipo_maps_to_a_symmetric_mask() -> None:
+    m = map_loss({"type": "ipo", "ipo_threshold": 0.15, "kl_tau": 0})
+    assert m.config == {"divergence": "tv", "delta_low": 0.15, "delta_high": 0.15, "surrogate": "ratio",
+                        "aggregation": "sum"}
+    assert not m.ref_is_inference and m.advantage_scale == 1.0
+    resolve_loss(m.name, m.config)
 
 
 @pytest.mark.parametrize(("table", "field"), [
-    (None, "trainer.loss.dppo_mask_low"),  # prime-rl's default masks at 0.2
-    ({"dppo_mask_low": 1, "dppo_mask_high": 0.5}, "trainer.loss.dppo_mask_high"),
-    ({"type": "ipo"}, "trainer.loss.ipo_threshold"),
+    ({"dppo_mask_high": -0.5}, "trainer.loss.dppo_mask_high"),
+    ({"type": "ipo", "ipo_threshold": True}, "trainer.loss.ipo_threshold"),
+    ({"type": "ipo", "dppo_mask_low": 0.2}, "trainer.loss.dppo_mask_low"),
     ({"type": "custom", "import_path": "x.y"}, "trainer.loss.type"),
     ({"type": "grpo"}, "trainer.loss.type"),
     ({"dppo_mask_low": 1, "dppo_mask_high": 1, "clip": 0.2}, "trainer.loss.clip"),

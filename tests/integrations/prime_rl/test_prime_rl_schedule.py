@@ -123,7 +123,7 @@ VARIANTS = [  # (trainer.optim, trainer.scheduler, max_steps): the stock reverse
 @pytest.mark.parametrize(("optim", "scheduler", "max_steps"), VARIANTS)
 def test_schedule_is_prime_rls(optim: dict, scheduler: dict, max_steps: int) -> None:
     cfg = parse_config(rl_toml(Path("/tmp"), max_steps=max_steps,
-                               trainer={"loss": {"dppo_mask_low": 1.0, "dppo_mask_high": 1.0}, "optim": optim,
+                               trainer={"optim": optim,
                                         "scheduler": scheduler}))
     expected = prime_rl_rates(trainer_config(optim, scheduler, max_steps), max_steps + 3)
     schedule = PrimeRlSchedule(cfg.optim, cfg.scheduler, cfg.max_steps)
@@ -142,7 +142,7 @@ def test_trainer_applies_prime_rls_rates_and_resumes(make_client, tmp_path: Path
     optim, scheduler, steps = {"lr": 1e-3}, {"type": "cosine", "warmup_steps": 2, "min_lr": 1e-5}, 5
     expected = prime_rl_rates(trainer_config(optim, scheduler, steps), 2 * steps)
     data = rl_toml(tmp_path, max_steps=steps,
-                   trainer={"loss": {"dppo_mask_low": 1.0, "dppo_mask_high": 1.0}, "optim": optim, "scheduler": scheduler})
+                   trainer={"optim": optim, "scheduler": scheduler})
     cfg = parse_config(data)
     client = make_client(seed=0, optimizer=PRIME_ADAMW)
     errors: list[BaseException] = []

@@ -28,7 +28,7 @@ PRIME_ADAMW = {"weight_decay": 0.01, "grad_clip": 1.0, "betas": (0.9, 0.999), "e
 def rl_toml(tmp_path: Path, **over) -> dict:
     data = {"output_dir": str(tmp_path), "run": {"name": "run1"}, "max_steps": 3,
             "rollout_transport": {"type": "filesystem"},
-            "trainer": {"loss": {"dppo_mask_low": 1.0, "dppo_mask_high": 1.0, "kl_tau": KL_TAU},
+            "trainer": {"loss": {"kl_tau": KL_TAU},  # prime-rl's DPPO masks at their 0.2 defaults
                         "model": {"compile": {}}},
             "floe": {"poll_s": 0.05, "wait_timeout_s": 120}}
     data.update(over)
@@ -102,10 +102,13 @@ def test_three_steps_published_in_order_with_native_loss(make_client, tmp_path: 
         log_r = logp - torch.tensor(s.logprobs, dtype=torch.float64)
         w = torch.tensor(s.weights, dtype=torch.float64)
         adv = torch.tensor(s.advantage, dtype=torch.float64)
-        expected += float((w * (-adv * torch.exp(log_r) + KL_TAU * log_r**2)).sum())  # prime-rl default_loss_fn
+        diff = torch.exp(logp) - torch.exp(torch.tensor(s.logprobs, dtype=torch.float64))
+        keep = ~torch.where(adv > 0, diff > 0.2, diff < -0.2)  # prime-rl's DPPO trust region
+        expected += float((w * (-keep.double() * adv * torch.exp(log_r) + KL_TAU * log_r**2)).sum())  # prime-rl default_loss_fn
     expected /= n_tokens  # / rl_scale
-    fb = native.forward_backward(batch, loss="importance_sampling",
-                                 loss_config={"aggregation": "token_mean", "kl": {"coef": 2 * KL_TAU, "estimator": "k2"}})
+    fb = native.forward_backward(batch, loss="dppo", loss_config={
+        "divergence": "binary_tv", "delta_low": 0.2, "delta_high": 0.2, "aggregation": "token_mean",
+        "kl": {"coef": 2 * KL_TAU, "estimator": "k2"}})
     assert reports[0].rl_scale == n_tokens
     assert reports[0].loss == pytest.approx(fb.metrics["loss"], abs=1e-6)
     assert reports[0].loss == pytest.approx(expected, abs=1e-5)
@@ -150,7 +153,7 @@ def test_packing_round_trip_and_refusals(make_client) -> None:
     ({"trainer": {"scheduler": {"type": "linear", "warmup_steps": 0, "decay_steps": 0}}}, "trainer.scheduler.warmup_steps"),
     ({"trainer": {"scheduler": {"type": "linear", "warmup_steps": 2, "decay_steps": 2}}}, "trainer.scheduler.decay_steps"),
     ({"trainer": {"model": {"lora": {"rank": 8}}}}, "trainer.model.lora"),
-    ({"trainer": {}}, "trainer.loss.dppo_mask_low"),
+    ({"trainer": {"loss": {"dppo_mask_low": -0.1}}}, "trainer.loss.dppo_mask_low"),
 ])
 def test_config_refusals(tmp_path: Path, over: dict, field: str) -> None:
     with pytest.raises(InvalidInput) as e:
@@ -164,7 +167,7 @@ def test_overlay_and_cli(tmp_path: Path, capsys) -> None:
 
     root = Path(__file__).resolve().parents[3]
     cfg = parse_config(load_layers([root / "recipes/prime_rl/floe.toml"], {"max_steps": 2}))
-    assert (cfg.loss.name, cfg.url, cfg.run_dir.name, cfg.max_steps) == ("importance_sampling", "http://127.0.0.1:8000", "floe-run", 2)
+    assert (cfg.loss.name, cfg.url, cfg.run_dir.name, cfg.max_steps) == ("dppo", "http://127.0.0.1:8000", "floe-run", 2)
     rl = tmp_path / "rl.toml"
     rl.write_text('max_steps = 2\n[run]\nname = "x"\n[rollout_transport]\ntype = "zmq"\n')
     assert main(["prime-trainer", "@", str(rl)]) == 2

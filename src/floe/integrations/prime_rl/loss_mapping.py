@@ -9,12 +9,15 @@ prime-rl (commit `PRIME_RL_COMMIT`, src/prime_rl/trainer/rl/loss.py) has three l
 - `custom`: a Python function imported by path.
 
 Each token's loss is multiplied by its rl weight and the sum is divided by the step's global
-count of trainable tokens (`rl_scale`). floe has no probability-difference mask, so a masked
-loss is mapped only when its mask can never fire (every threshold >= 1: |p − p_inf| < 1
-always); then floe's `importance_sampling` (−r·A) with advantages scaled by `adv_tau`, plus a
-`k2` KL term (½(logp − ref)², coef = 2·kl_tau) whose reference is the inference log-probs, gives
-exactly prime-rl's per-token loss; aggregation `sum` with per-token weights rl_weight / rl_scale
-(batch.py) gives its normalisation. Anything else is refused naming the key and the fix.
+count of trainable tokens (`rl_scale`). Both map to floe's `dppo` loss with the `ratio`
+surrogate (−v·r·A, gradient through r) on the inference log-probs as the old policy:
+`default` with divergence `binary_tv` (v keeps p − p_inf <= high for A > 0, >= −low otherwise:
+prime-rl's `torch.where(A > 0, ...)`), `ipo` with divergence `tv` and both thresholds =
+`ipo_threshold`; advantages are scaled by `adv_tau`, and a `k2` KL term (½(logp − ref)², coef =
+2·kl_tau, on every trainable token, masked or not, as prime-rl's) whose reference is the
+inference log-probs adds kl_tau·(log r)². Aggregation `sum` with per-token weights
+rl_weight / rl_scale (batch.py) gives prime-rl's normalisation. floe's ratio is
+`bounded_exp(log r)`, equal to exp(log r) below EXP_BOUND (log r = 20). `custom` is refused.
 
 Pure function: no I/O, no torch.
 """
@@ -31,7 +34,6 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "default": {"dppo_mask_low": 0.2, "dppo_mask_high": 0.2, "adv_tau": 1.0, "kl_tau": 1e-3},
     "ipo": {"ipo_threshold": 0.1, "adv_tau": 1.0, "kl_tau": 1e-3},
 }
-_MASK_KEYS = {"default": ("dppo_mask_low", "dppo_mask_high"), "ipo": ("ipo_threshold",)}
 
 
 @dataclass(frozen=True)
@@ -52,8 +54,8 @@ class MappedLoss:
 def map_loss(loss: dict[str, Any] | None, where: str = "trainer.loss") -> MappedLoss:
     """Map prime-rl's `[trainer.loss]` table (None or {} = prime-rl's default loss).
 
-    Raises InvalidInput(f"{where}.<key>", ...) for an unknown type or key, a bad value, a
-    `custom` loss, or a trust-region mask floe cannot apply (thresholds below 1).
+    Raises InvalidInput(f"{where}.<key>", ...) for an unknown type or key, a bad value or a
+    `custom` loss.
     """
     table = dict(loss or {})
     kind = table.pop("type", "default")
@@ -69,19 +71,15 @@ def map_loss(loss: dict[str, Any] | None, where: str = "trainer.loss") -> Mapped
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise InvalidInput(f"{where}.{key}", f"must be a number >= 0, got {value!r}")
         values[key] = float(value)
-    for key in _MASK_KEYS[kind]:
-        if values[key] < 1.0:
-            raise InvalidInput(
-                f"{where}.{key}",
-                f"is {values[key]:g}: prime-rl's {kind!r} loss drops tokens whose probability moved by more than "
-                f"this, and floe has no such mask. Set it to 1.0 (the mask then never fires and floe computes "
-                f"prime-rl's loss exactly), or choose a floe loss in [floe.loss], e.g. ppo with clip_low/clip_high",
-            )
-    config: dict[str, Any] = {"aggregation": "sum"}
+    if kind == "default":
+        mask = {"divergence": "binary_tv", "delta_low": values["dppo_mask_low"], "delta_high": values["dppo_mask_high"]}
+    else:
+        mask = {"divergence": "tv", "delta_low": values["ipo_threshold"], "delta_high": values["ipo_threshold"]}
+    config: dict[str, Any] = {**mask, "surrogate": "ratio", "aggregation": "sum"}
     kl_tau = values["kl_tau"]
     if kl_tau > 0:
         config["kl"] = {"coef": 2.0 * kl_tau, "estimator": "k2"}
-    return MappedLoss("importance_sampling", config, advantage_scale=values["adv_tau"], ref_is_inference=kl_tau > 0)
+    return MappedLoss("dppo", config, advantage_scale=values["adv_tau"], ref_is_inference=kl_tau > 0)
 
 
 def native_loss(table: dict[str, Any], where: str = "floe.loss") -> MappedLoss:
