@@ -174,7 +174,7 @@ class LoraConfig(StrictModel):
         0.0, description="peft `lora_dropout`: must be 0 (RL log-probs are deterministic functions of the "
         "weights: floe turns every dropout off, floe.backend.policy.disable_dropout)"
     )
-    target_modules: list[str] | Literal["all-linear"] = Field(
+    target_modules: list[str] | str = Field(
         "all-linear", description='peft `target_modules`: module names (last part, e.g. ["q_proj", "v_proj"]) or '
         '"all-linear" (every linear layer but the LM head, peft\'s meaning)'
     )
@@ -190,6 +190,15 @@ class LoraConfig(StrictModel):
         if value != 0:
             raise ValueError(f"must be 0, got {value!r}: RL log-probs must be deterministic functions of the weights, "
                              "so floe runs without dropout (floe.backend.policy.disable_dropout); set it to 0")
+        return value
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _all_linear(cls, value: Any) -> Any:
+        if isinstance(value, str) and value != "all-linear":
+            raise ValueError(f'a list of module names or "all-linear", got {value!r}')
+        if not isinstance(value, (str, list)):
+            raise ValueError(f'a list of module names or "all-linear", got {value!r}')
         return value
 
     @field_validator("target_modules", "exclude_modules")
