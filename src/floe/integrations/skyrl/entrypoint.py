@@ -91,8 +91,6 @@ def check_supported(cfg: SkyRLTrainConfig) -> SkyRLLoss:
         raise InvalidInput("trainer.fully_async.enabled", "floe's SkyRL plugin runs SkyRL's synchronous trainer")
     if trainer.update_ref_every_epoch:
         raise InvalidInput("trainer.update_ref_every_epoch", "floe's reference zone is fixed for the run")
-    if trainer.policy.model.lora.rank > 0:
-        raise InvalidInput("trainer.policy.model.lora.rank", "LoRA is not supported by floe's SkyRL plugin")
     if cfg.generator.vision_language_generator:
         raise InvalidInput("generator.vision_language_generator", "floe is text-only")
     loss = map_loss(asdict(trainer.algorithm), max_tokens_per_microbatch=trainer.max_tokens_per_microbatch,
