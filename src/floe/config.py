@@ -195,9 +195,7 @@ class LoraConfig(StrictModel):
     @field_validator("target_modules", mode="before")
     @classmethod
     def _all_linear(cls, value: Any) -> Any:
-        if isinstance(value, str) and value != "all-linear":
-            raise ValueError(f'a list of module names or "all-linear", got {value!r}')
-        if not isinstance(value, (str, list)):
+        if value != "all-linear" and not isinstance(value, list):  # pydantic wants ValueError, not TypeError
             raise ValueError(f'a list of module names or "all-linear", got {value!r}')
         return value
 

@@ -24,8 +24,8 @@ from typing import Any
 from safetensors.torch import load_file, save_file
 
 from floe.backend.policy import PolicyZone, check_saved_policy, prepare_model
-from floe.backend.state_sharded import has_rng
 from floe.backend.state import POLICY_RNG_FILE, ZoneState, policy_layout, saved_shapes
+from floe.backend.state_sharded import has_rng
 from floe.backend.weights import WeightsSnapshot, fingerprints
 from floe.config import ComputeConfig, LoraConfig, OptimizerConfig
 from floe.errors import StateError

@@ -118,15 +118,16 @@ def backend_lora_config(lora: FloeLoraConfig, model: torch.nn.Module) -> LoraCon
     if unknown:
         raise InvalidInput("lora.exclude_modules", f"this model has no linear layer named {unknown}; "
                            f"its linear layers are {sorted(present)}")
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    hf: Any = model
+    head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
+    embed = hf.get_input_embeddings() if hasattr(hf, "get_input_embeddings") else None
     head_name = next((n.rsplit(".", 1)[-1] for n, m in model.named_modules() if m is head), None)
     if (head is not None and embed is not None and head.weight is embed.weight and isinstance(lora.target_modules, list)
             and head_name in lora.target_modules):
         raise InvalidInput("lora.target_modules", f"{head_name!r} is tied to the input embeddings in this model; "
                            "an adapted head cannot be synced as merged weights; remove it")
     return LoraConfig(
-        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0, bias="none",
+        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0, bias="none",  # type: ignore[arg-type]  # peft: alpha / r in float
         target_modules=lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules),
         exclude_modules=list(lora.exclude_modules) or None,
         init_lora_weights=True if lora.init == "kaiming" else "gaussian",
@@ -276,8 +277,9 @@ class AdapterHost:
         with torch.no_grad():
             for module_name, module in model.named_modules():
                 if isinstance(module, LoraLayer) and name in module.lora_A:
-                    weight = module.get_base_layer().weight
-                    out[f"{module_name}.weight"] = weight + module.get_delta_weight(name).to(weight.dtype)
+                    layer: Any = module  # a peft lora.Linear (LoraLayer declares no get_delta_weight)
+                    weight = layer.get_base_layer().weight
+                    out[f"{module_name}.weight"] = weight + layer.get_delta_weight(name).to(weight.dtype)
         return out
 
 

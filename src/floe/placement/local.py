@@ -21,8 +21,8 @@ from floe.backend.sampler import SamplerZone
 from floe.backend.sync import InPlaceCopy
 from floe.config import BackendConfig
 from floe.models import load_model
-from floe.models.lora import AdapterHost
 from floe.models.loading import context_length
+from floe.models.lora import AdapterHost
 from floe.placement.zones import Zones
 from floe.sampler import EngineSource, build_engine
 from floe.sampler.registry import engine_start_seconds
