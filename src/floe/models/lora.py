@@ -19,7 +19,10 @@ Views, so that floe's own code runs unchanged on one adapter:
 
 Which modules an adapter trains follows Tinker's switches: attention (q/k/v/o projections),
 MLP (gate/up/down), unembedding (lm_head). `LORA_ALPHA` is fixed (32, as Tinker-compatible
-servers use), so the scale is alpha / rank.
+servers use), so the scale is alpha / rank. The core backend's `[lora]` (BackendConfig.lora,
+`floe.backend.policy_lora`) names peft's keys directly instead: `backend_lora_config` builds its
+peft config and `AdapterHost.add_config` adds it; `AdapterHost.merged_state_dict` gives the
+merged weights its sampler is synced with.
 """
 
 from __future__ import annotations
