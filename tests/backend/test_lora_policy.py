@@ -96,6 +96,8 @@ def test_base_frozen_reference_is_base_and_sampler_gets_merged_weights(make_clie
         live_t = live.get(key, live.get(name))
         assert live_t is not None and torch.equal(live_t, t), name
     assert client.forward(batch, zone="reference").logprobs == before_ref  # the reference is the frozen base
+    assert client.info().capabilities["lora"] == {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear",
+                                                  "exclude_modules": [], "init": "kaiming"}
 
     client.sync_weights()
     merged = host.merged_state_dict("policy")

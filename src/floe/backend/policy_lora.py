@@ -59,10 +59,6 @@ class LoraPolicyZone(PolicyZone):
         """The adapter as a peft directory (adapter_config.json + adapter_model.safetensors)."""
         self.model.save_pretrained(directory)
 
-    def describe(self) -> dict[str, str]:
-        out = super().describe()
-        return {**out, "lora": f"rank {self.host.specs[ADAPTER].rank}"}
-
     # -- own state: layout "lora" -------------------------------------------------------------
 
     def save_state(self, directory: Path) -> dict[str, Any]:
