@@ -220,3 +220,14 @@ def test_states_of_the_other_kind_or_another_adapter_are_refused(make_client):
         other.load_state("lora")
     assert all(torch.equal(before[k], v) for k, v in backend_of(lora).policy.model.state_dict().items())
     assert backend_of(lora).policy.step == 1
+
+
+def test_gradient_checkpointing_changes_no_number(make_client):
+    plain = make_client(lora=LORA, optimizer=OPT)
+    checkpointed = make_client(lora=LORA, optimizer=OPT, compute={"gradient_checkpointing": True})
+    batch = _batch(plain.tokenizer())
+    a, b = plain.forward_backward(batch, "cross_entropy"), checkpointed.forward_backward(batch, "cross_entropy")
+    assert a.metrics["loss"] == pytest.approx(b.metrics["loss"], rel=1e-6)
+    assert backend_of(checkpointed).policy.host.model.is_gradient_checkpointing
+    for p, q in zip(backend_of(plain).policy.params, backend_of(checkpointed).policy.params):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
