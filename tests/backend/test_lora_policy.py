@@ -231,3 +231,19 @@ def test_gradient_checkpointing_changes_no_number(make_client):
     assert backend_of(checkpointed).policy.host.model.is_gradient_checkpointing
     for p, q in zip(backend_of(plain).policy.params, backend_of(checkpointed).policy.params):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_a_plugin_refuses_a_server_that_trains_another_adapter(make_client):
+    from floe.integrations.hardware import check_server_lora
+
+    served = make_client(lora=LORA).info().capabilities["lora"]
+    full = make_client().info().capabilities["lora"]
+    assert full is None
+    check_server_lora({"rank": 4, "alpha": 8.0, "target_modules": "all-linear"}, served, "k")  # the same adapter
+    check_server_lora(None, full, "k")
+    for recipe, server in (({"rank": 8, "alpha": 8.0, "target_modules": "all-linear"}, served),
+                           ({"rank": 4, "alpha": 8.0, "target_modules": ["q_proj"]}, served),
+                           (None, served), ({"rank": 4, "alpha": 8.0}, full)):
+        with pytest.raises(InvalidInput) as e:
+            check_server_lora(recipe, server, "actor_rollout_ref.model.lora_rank")
+        assert e.value.field == "actor_rollout_ref.model.lora_rank"

@@ -13,7 +13,7 @@ from typing import Any
 from floe.config import FLOAT16_REFUSED, deep_merge
 from floe.errors import InvalidInput
 
-__all__ = ["VLLM_KEYS", "describe", "floe_dtype", "lora_table", "vllm_engine", "with_overrides"]
+__all__ = ["VLLM_KEYS", "check_server_lora", "describe", "floe_dtype", "lora_table", "vllm_engine", "with_overrides"]
 
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
            "float16": "float16", "fp16": "float16", "half": "float16"}
@@ -84,6 +84,22 @@ def lora_table(rank: Any, alpha: Any, target_modules: Any, exclude_modules: Any,
     if exclude_modules not in (None, [], ""):
         table["exclude_modules"] = _module_names(exclude_modules, keys["exclude_modules"], False)
     return table
+
+
+def check_server_lora(recipe: Mapping[str, Any] | None, server: Any, key: str) -> None:
+    """InvalidInput(`key`, the recipe's LoRA rank key) when a `floe.url` server does not train
+    the adapter the recipe asks for: `recipe` is the mapped `[lora]` table (None: full weights),
+    `server` its `info().capabilities["lora"]` (None: full weights). Rank, alpha and target
+    modules must agree; the server's configuration is its own, so a mismatch cannot be fixed here."""
+    def shape(table: Any) -> Any:
+        if not table:
+            return None
+        return (table.get("rank"), float(table.get("alpha", 0)), table.get("target_modules", "all-linear"),
+                list(table.get("exclude_modules") or []))
+    if shape(recipe) != shape(server):
+        raise InvalidInput(key, f"the floe.url server trains {'a LoRA adapter ' + repr(server) if server else 'every weight'}, "
+                                f"the recipe asks for {'a LoRA adapter ' + repr(dict(recipe)) if recipe else 'every weight'}; "
+                                "start the server with the recipe's [lora] (or none), or change the recipe")
 
 
 def with_overrides(backend: dict[str, Any], overrides: Mapping[str, Any], where: str) -> dict[str, Any]:
