@@ -127,5 +127,8 @@ def describe(backend: Mapping[str, Any]) -> str:
     engine = ((backend.get("sampler") or {}).get("engine") or {}).get("name", "torch")
     placement = (backend.get("placement") or {}).get("kind", "local")
     checkpointing = (backend.get("compute") or {}).get("gradient_checkpointing", False)
+    lora = backend.get("lora")
     return (f"floe backend settings: device={backend.get('device', 'cpu')} dtype={backend.get('dtype', 'float32')} "
-            f"engine={engine} placement={placement} gradient_checkpointing={checkpointing}")
+            f"engine={engine} placement={placement} gradient_checkpointing={checkpointing}"
+            + (f" lora=rank {lora['rank']} alpha {lora['alpha']:g} targets {lora.get('target_modules', 'all-linear')}"
+               if lora else ""))

@@ -38,6 +38,10 @@ REFUSED = {
 }
 
 
+# Recipes that train a LoRA adapter: the backend's settings line names it.
+LORA = {"grpo_lora": "lora=rank 64 alpha 32 targets all-linear"}
+
+
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_stock_recipe_runs_through_the_switch(assets, name):
     recipe = RECIPES[name]
@@ -50,6 +54,8 @@ def test_stock_recipe_runs_through_the_switch(assets, name):
         assert not any(s > 0 for s in run.steps)
         return
     assert run.returncode == 0, run.log[-5000:]
+    if name in LORA:  # the recipe's adapter is what the backend trains (floe.integrations.hardware.describe)
+        assert LORA[name] in run.log, run.log[-3000:]
     assert sorted(s for s in run.steps if s > 0) == list(range(1, STEPS + 1)), run.log[-3000:]
     for step in range(1, STEPS + 1):
         m = run.steps[step]
