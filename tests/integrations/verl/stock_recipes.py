@@ -492,4 +492,15 @@ def cpu_sized(recipe: StockRecipe, base: list[str]) -> list[str]:
     out += [f"{name}=2048" for name in TOKEN_BUDGETS if name in stock]
     out += ["trainer.val_before_train=False", "trainer.test_freq=-1", "+floe.backend.device=cpu",
             "+floe.backend.sampler.engine.name=torch"]
+    if needs_vllm(recipe):
+        out = [k for k in out if key_name(k) != "actor_rollout_ref.rollout.name"] + ["actor_rollout_ref.rollout.name=floe"]
     return out
+
+
+def needs_vllm(recipe: StockRecipe) -> bool:
+    """Whether verl itself imports vLLM for `recipe`: its `validate_config` checks a LoRA rank
+    against vLLM's (`get_vllm_max_lora_rank`) when lora_rank > 0 and rollout.name=vllm. verl's
+    environment here has no vLLM, so such a recipe names floe's engine (rollout.name=floe): the
+    same torch engine samples either way (`+floe.backend.sampler.engine.name=torch`)."""
+    stock = {key_name(k): k.split("=", 1)[1] for k in recipe.keys}
+    return stock.get("actor_rollout_ref.model.lora_rank", "0") != "0" and stock.get("actor_rollout_ref.rollout.name") == "vllm"
