@@ -160,6 +160,65 @@ class ReferenceConfig(StrictModel):
     checkpoint: str | None = Field(None, description="model path; default: the initial policy")
 
 
+class LoraConfig(StrictModel):
+    """`[lora]`: train a LoRA adapter (peft) of the policy instead of every weight.
+
+    The base weights are frozen and AdamW holds only the adapter's A and B matrices; the
+    reference zone stays the base model; each sync gives the sampler the merged weights
+    W + (alpha / rank)·B·A (docs/architecture.md, "LoRA"); states hold the adapter in peft's
+    format (adapter_config.json + adapter_model.safetensors). `floe.models.lora` builds it."""
+
+    rank: int = Field(..., ge=1, le=256, description="LoRA rank r (peft `r`)")
+    alpha: float = Field(..., gt=0, allow_inf_nan=False, description="peft `lora_alpha`: the update is (alpha / rank)·B·A")
+    dropout: float = Field(
+        0.0, description="peft `lora_dropout`: must be 0 (RL log-probs are deterministic functions of the "
+        "weights: floe turns every dropout off, floe.backend.policy.disable_dropout)"
+    )
+    target_modules: list[str] | str = Field(
+        "all-linear", description='peft `target_modules`: module names (last part, e.g. ["q_proj", "v_proj"]) or '
+        '"all-linear" (every linear layer but the LM head, peft\'s meaning)'
+    )
+    exclude_modules: list[str] = Field(default_factory=list, description="peft `exclude_modules`: names never adapted")
+    init: Literal["kaiming", "gaussian"] = Field(
+        "kaiming", description="A's initialisation (B starts at 0): peft's default kaiming-uniform (init_lora_weights "
+        "= true), or gaussian (N(0, 1/r), init_lora_weights = \"gaussian\")"
+    )
+
+    @field_validator("dropout")
+    @classmethod
+    def _no_dropout(cls, value: float) -> float:
+        if value != 0:
+            raise ValueError(f"must be 0, got {value!r}: RL log-probs must be deterministic functions of the weights, "
+                             "so floe runs without dropout (floe.backend.policy.disable_dropout); set it to 0")
+        return value
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _all_linear(cls, value: Any) -> Any:
+        if value != "all-linear" and not isinstance(value, list):  # pydantic wants ValueError, not TypeError
+            raise ValueError(f'a list of module names or "all-linear", got {value!r}')
+        return value
+
+    @field_validator("target_modules", "exclude_modules")
+    @classmethod
+    def _names(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            if not all(isinstance(v, str) and v and v.strip() == v for v in value):
+                raise ValueError(f"module names are non-empty strings, got {value!r}")
+            if len(set(value)) != len(value):
+                raise ValueError(f"module names repeat: {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _some_target(self) -> LoraConfig:
+        if isinstance(self.target_modules, list):
+            if not self.target_modules:
+                raise ValueError('target_modules is empty; name modules (e.g. ["q_proj", "v_proj"]) or "all-linear"')
+            if set(self.target_modules) & set(self.exclude_modules):
+                raise ValueError(f"modules both targeted and excluded: {sorted(set(self.target_modules) & set(self.exclude_modules))}")
+        return self
+
+
 class LocalPlacement(StrictModel):
     """Every zone in this process (the default): `floe.placement.local`."""
 
@@ -309,6 +368,7 @@ class BackendConfig(StrictModel):
     compute: ComputeConfig = ComputeConfig()
     sampler: SamplerConfig = SamplerConfig()
     reference: ReferenceConfig = ReferenceConfig()
+    lora: LoraConfig | None = Field(None, description="train a LoRA adapter of the policy ([lora]); None = every weight")
     placement: PlacementConfig = Field(
         default_factory=LocalPlacement,
         description='where the zones run: [placement] kind = "local" (this process) or "ray" (docs/scale.md)',
@@ -324,6 +384,11 @@ class BackendConfig(StrictModel):
     @model_validator(mode="after")
     def _placement_fits(self) -> BackendConfig:
         placement = self.placement
+        if self.lora is not None and isinstance(placement, RayPlacement):
+            raise ValueError(
+                "lora with placement.kind = \"ray\" is not supported yet: the FSDP2 ranks of the Ray policy "
+                "(floe.backend.policy_sharded) do not wrap a peft adapter; use placement.kind = \"local\" or drop [lora]"
+            )
         if isinstance(placement, RayPlacement):
             if not self.device.startswith("cuda"):
                 for key, zone in (("policy", placement.policy), ("sampler", placement.sampler),

@@ -190,3 +190,42 @@ def test_floe_backend_device_cpu_is_how_a_verl_run_asks_for_the_cpu():
     with pytest.raises(floe.InvalidInput) as info:
         floe_target(recipe(**{"floe.backend": {"device": "tpu"}}))
     assert info.value.field == "floe.backend.device"
+
+
+# -- LoRA (actor_rollout_ref.model.lora_*; verl_lora) -------------------------------------------------------------
+
+M = "actor_rollout_ref.model"
+CPU = {"trainer.device": "cpu"}
+VERL_LORA = {**CPU, f"{M}.lora_rank": 64, f"{M}.lora_alpha": 32, f"{M}.target_modules": "all-linear",
+             f"{M}.exclude_modules": None, f"{M}.lora_adapter_path": None, f"{M}.use_shm": True,
+             "actor_rollout_ref.rollout.layered_summon": True, "actor_rollout_ref.rollout.load_format": "safetensors"}
+
+
+def test_verl_lora_keys_become_floes_lora_table():
+    assert "lora" not in backend_of(recipe(**CPU))  # lora_rank 0 (verl's default): every weight trains
+    backend = backend_of(recipe(**VERL_LORA))
+    assert backend["lora"] == {"rank": 64, "alpha": 32.0, "target_modules": "all-linear"}
+    backend = backend_of(recipe(**{**VERL_LORA, f"{M}.target_modules": ["q_proj", "v_proj"]}))
+    assert backend["lora"]["target_modules"] == ["q_proj", "v_proj"] and "exclude_modules" not in backend["lora"]
+    backend = backend_of(recipe(**{**VERL_LORA, f"{M}.exclude_modules": "down_proj"}))
+    assert backend["lora"]["target_modules"] == "all-linear" and backend["lora"]["exclude_modules"] == ["down_proj"]
+    one_gpu = backend_of(recipe(**{**VERL_LORA, "trainer.device": "cuda", "trainer.n_gpus_per_node": 1,
+                                   "actor_rollout_ref.rollout.tensor_model_parallel_size": 1,
+                                   "actor_rollout_ref.rollout.free_cache_engine": False}))
+    assert one_gpu["lora"]["rank"] == 64 and one_gpu["placement"] == {"kind": "local"}
+
+
+@pytest.mark.parametrize(("changes", "field"), [
+    ({f"{M}.lora_rank": -1}, f"{M}.lora_rank"),
+    ({f"{M}.lora_alpha": 0}, f"{M}.lora_alpha"),
+    ({f"{M}.target_modules": ".*proj"}, f"{M}.target_modules"),
+    ({f"{M}.exclude_modules": ["q_proj", "(v|k)_proj"]}, f"{M}.exclude_modules"),
+    ({f"{M}.target_parameters": ["experts.weight"]}, f"{M}.target_parameters"),
+    ({f"{M}.lora_adapter_path": "/adapters/a"}, f"{M}.lora_adapter_path"),
+    ({f"{M}.lora": {"rank": 8}}, f"{M}.lora.rank"),
+    ({"trainer.device": "cuda"}, f"{M}.lora_rank"),  # 8 GPUs: the Ray placement has no LoRA policy yet
+])
+def test_verl_lora_settings_floe_cannot_honour_are_refused_by_their_verl_key(changes, field):
+    with pytest.raises(floe.InvalidInput) as e:
+        floe_target(recipe(**{**VERL_LORA, **changes}))
+    assert e.value.field == field

@@ -406,6 +406,7 @@ class Backend:
                     "model_flops": self._shape is not None,
                     "zones_memory": self.zones.memory(),
                     "optimizer": {"name": "adamw", **self.config.optimizer.model_dump(mode="json")},
+                    "lora": None if self.config.lora is None else self.config.lora.model_dump(mode="json"),
                 },
             )
 

@@ -207,11 +207,20 @@ def read_state(directory: Path, files: tuple[str, ...] = STATE_FILES) -> ZoneSta
     return ZoneState({file: load_file(str(directory / file)) for file in files if (directory / file).is_file()}, meta)
 
 
-def policy_layout(meta: dict[str, Any]) -> str:
-    """How the policy's files are laid out: "full" (format 1, `PolicyZone`) or "sharded"."""
+def policy_layout(meta: dict[str, Any], lora: bool = False) -> str:
+    """How the policy's files are laid out: "full" (format 1, `PolicyZone`), "sharded"
+    (`policy_sharded`) or "lora" (a peft adapter, `policy_lora`). StateError for an unknown
+    layout, and when the state's kind (adapter or full weights) is not the loader's (`lora`:
+    the loader trains a LoRA adapter)."""
     layout = meta.get("policy_layout", "full")
-    if layout not in ("full", "sharded"):
+    if layout not in ("full", "sharded", "lora"):
         raise StateError(f"load_state: unknown policy_layout {layout!r} in state.json")
+    if lora and layout != "lora":
+        raise StateError(f"load_state: this backend trains a LoRA adapter ([lora]), but the state holds a full policy "
+                         f"(policy_layout {layout!r}); load it on a backend without [lora]")
+    if not lora and layout == "lora":
+        raise StateError("load_state: the state holds a LoRA adapter (policy_layout 'lora'), but this backend trains "
+                         "every weight; load it on a backend with the same [lora]")
     return layout
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from floe.config import FLOAT16_REFUSED, deep_merge
 from floe.errors import InvalidInput
 
-__all__ = ["VLLM_KEYS", "describe", "floe_dtype", "vllm_engine", "with_overrides"]
+__all__ = ["VLLM_KEYS", "check_server_lora", "describe", "floe_dtype", "lora_table", "vllm_engine", "with_overrides"]
 
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
            "float16": "float16", "fp16": "float16", "half": "float16"}
@@ -48,6 +48,60 @@ def vllm_engine(settings: Mapping[str, Any], dtype: str, policy_dtype: str, on_g
     return engine
 
 
+def _module_names(value: Any, key: str, allow_all_linear: bool) -> list[str] | str:
+    """A framework's module-name setting as floe's `[lora]` takes it: "all-linear", a list of
+    names, or one name (a string that is a plain name, not a peft regex)."""
+    if allow_all_linear and value == "all-linear":
+        return "all-linear"
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not value or not all(
+            isinstance(v, str) and v.replace("_", "").replace(".", "").isalnum() for v in value):
+        raise InvalidInput(key, f"floe adapts modules by name: give a list of module names (e.g. [q_proj, v_proj])"
+                                f"{' or all-linear' if allow_all_linear else ''}, got {value!r}")
+    return list(value)
+
+
+def lora_table(rank: Any, alpha: Any, target_modules: Any, exclude_modules: Any, keys: Mapping[str, str],
+               placement: Mapping[str, Any]) -> dict[str, Any] | None:
+    """floe's `[lora]` table (BackendConfig.lora) from a framework's LoRA settings; None when
+    `rank` is 0 (LoRA off). `keys` names each setting's framework key ("rank", "alpha",
+    "target_modules", "exclude_modules"), for InvalidInput; `placement` is the mapped
+    BackendConfig placement: the Ray placement has no LoRA policy yet, so LoRA there is refused
+    by the rank's key."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise InvalidInput(keys["rank"], f"must be an integer >= 0 (0 = no LoRA), got {rank!r}")
+    if rank == 0:
+        return None
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+        raise InvalidInput(keys["alpha"], f"must be a number > 0, got {alpha!r}")
+    if placement.get("kind", "local") != "local":
+        raise InvalidInput(keys["rank"], "floe trains a LoRA adapter on the local placement only (one process: the CPU, "
+                                         "or one GPU without colocation); the Ray placement this recipe maps to (several "
+                                         "GPUs, or one shared by training and generation) has no FSDP2 LoRA policy yet")
+    table: dict[str, Any] = {"rank": rank, "alpha": float(alpha),
+                             "target_modules": _module_names(target_modules, keys["target_modules"], True)}
+    if exclude_modules not in (None, [], ""):
+        table["exclude_modules"] = _module_names(exclude_modules, keys["exclude_modules"], False)
+    return table
+
+
+def check_server_lora(recipe: Mapping[str, Any] | None, server: Any, key: str) -> None:
+    """InvalidInput(`key`, the recipe's LoRA rank key) when a `floe.url` server does not train
+    the adapter the recipe asks for: `recipe` is the mapped `[lora]` table (None: full weights),
+    `server` its `info().capabilities["lora"]` (None: full weights). Rank, alpha and target
+    modules must agree; the server's configuration is its own, so a mismatch cannot be fixed here."""
+    def shape(table: Any) -> Any:
+        if not table:
+            return None
+        return (table.get("rank"), float(table.get("alpha", 0)), table.get("target_modules", "all-linear"),
+                list(table.get("exclude_modules") or []))
+    if shape(recipe) != shape(server):
+        raise InvalidInput(key, f"the floe.url server trains {'a LoRA adapter ' + repr(server) if server else 'every weight'}, "
+                                f"the recipe asks for {'a LoRA adapter ' + repr(dict(recipe)) if recipe else 'every weight'}; "
+                                "start the server with the recipe's [lora] (or none), or change the recipe")
+
+
 def with_overrides(backend: dict[str, Any], overrides: Mapping[str, Any], where: str) -> dict[str, Any]:
     """`backend` (what the recipe mapped to) with the `floe.backend` `overrides` merged in. A
     different `sampler.engine.name` or `placement.kind` replaces that table (its keys belong to
@@ -73,5 +127,8 @@ def describe(backend: Mapping[str, Any]) -> str:
     engine = ((backend.get("sampler") or {}).get("engine") or {}).get("name", "torch")
     placement = (backend.get("placement") or {}).get("kind", "local")
     checkpointing = (backend.get("compute") or {}).get("gradient_checkpointing", False)
+    lora = backend.get("lora")
     return (f"floe backend settings: device={backend.get('device', 'cpu')} dtype={backend.get('dtype', 'float32')} "
-            f"engine={engine} placement={placement} gradient_checkpointing={checkpointing}")
+            f"engine={engine} placement={placement} gradient_checkpointing={checkpointing}"
+            + (f" lora=rank {lora['rank']} alpha {lora['alpha']:g} targets {lora.get('target_modules', 'all-linear')}"
+               if lora else ""))

@@ -19,7 +19,10 @@ Views, so that floe's own code runs unchanged on one adapter:
 
 Which modules an adapter trains follows Tinker's switches: attention (q/k/v/o projections),
 MLP (gate/up/down), unembedding (lm_head). `LORA_ALPHA` is fixed (32, as Tinker-compatible
-servers use), so the scale is alpha / rank.
+servers use), so the scale is alpha / rank. The core backend's `[lora]` (BackendConfig.lora,
+`floe.backend.policy_lora`) names peft's keys directly instead: `backend_lora_config` builds its
+peft config and `AdapterHost.add_config` adds it; `AdapterHost.merged_state_dict` gives the
+merged weights its sampler is synced with.
 """
 
 from __future__ import annotations
@@ -33,9 +36,11 @@ from typing import Any
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora import LoraLayer
 from safetensors.torch import save_file
 from transformers import PreTrainedModel
 
+from floe.config import LoraConfig as FloeLoraConfig
 from floe.errors import InvalidInput
 from floe.locks import FairRLock
 from floe.sampler.engine import copy_in_place
@@ -101,6 +106,37 @@ def lora_config(spec: LoraSpec, present: set[str]) -> LoraConfig:
     return LoraConfig(r=spec.rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=targets, bias="none")
 
 
+def backend_lora_config(lora: FloeLoraConfig, model: torch.nn.Module) -> LoraConfig:
+    """The peft config of a BackendConfig's `[lora]` for `model` (before any adapter):
+    InvalidInput naming the `lora.*` key for a target or excluded name no linear layer of the
+    model has, and for an adapted LM head whose weight is tied to the input embeddings (the
+    sampler's model keeps one tensor for both, so merged weights could not be synced)."""
+    present = _module_names(model)
+    if isinstance(lora.target_modules, list):
+        missing = [n for n in lora.target_modules if n not in present]
+        if missing:
+            raise InvalidInput("lora.target_modules", f"this model has no linear layer named {missing}; "
+                               f"its linear layers are {sorted(present)}")
+    unknown = [n for n in lora.exclude_modules if n not in present]
+    if unknown:
+        raise InvalidInput("lora.exclude_modules", f"this model has no linear layer named {unknown}; "
+                           f"its linear layers are {sorted(present)}")
+    hf: Any = model
+    head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
+    embed = hf.get_input_embeddings() if hasattr(hf, "get_input_embeddings") else None
+    head_name = next((n.rsplit(".", 1)[-1] for n, m in model.named_modules() if m is head), None)
+    if (head is not None and embed is not None and head.weight is embed.weight and isinstance(lora.target_modules, list)
+            and head_name in lora.target_modules):
+        raise InvalidInput("lora.target_modules", f"{head_name!r} is tied to the input embeddings in this model; "
+                           "an adapted head cannot be synced as merged weights; remove it")
+    return LoraConfig(
+        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0, bias="none",  # type: ignore[arg-type]  # peft: alpha / r in float
+        target_modules=lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules),
+        exclude_modules=list(lora.exclude_modules) or None,
+        init_lora_weights=True if lora.init == "kaiming" else "gaussian",
+    )
+
+
 class _EffectiveHead:
     """The LM head as scoring reads it: `.weight` (base + active adapter delta) and `.bias`."""
 
@@ -147,7 +183,11 @@ class AdapterHost:
         """A new adapter `name`; initialised like peft does (B = 0, so it starts as the base),
         A drawn from `spec.seed` (without touching the global RNG) when a seed is given."""
         spec.check()
-        config = lora_config(spec, self.linear_names)
+        self.add_config(name, lora_config(spec, self.linear_names), spec, trainable)
+
+    def add_config(self, name: str, config: LoraConfig, spec: LoraSpec, trainable: bool) -> None:
+        """`add` with the peft `config` given (`backend_lora_config` builds one from a
+        BackendConfig's `[lora]`); `spec` records the rank and seed."""
         with self.lock, torch.random.fork_rng(devices=[]):
             if spec.seed is not None:
                 torch.manual_seed(spec.seed)
@@ -223,6 +263,27 @@ class AdapterHost:
         config["target_modules"] = sorted(config["target_modules"]) if config.get("target_modules") else None
         config["peft_type"] = "LORA"
         (directory / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
+
+
+    def merged_state_dict(self, name: str) -> dict[str, torch.Tensor]:
+        """The base model's state dict (its own names) with adapter `name` merged into every
+        adapted layer: W' = W + scaling·B·A (peft `LoraLayer.get_delta_weight`; scaling =
+        lora_alpha / r). Tensors of layers the adapter does not touch are the base's own
+        (not copied, ties kept); merged ones are new tensors of the base weight's dtype."""
+        assert self.peft is not None
+        model = self.model
+        out: dict[str, torch.Tensor] = {}
+        for key, tensor in model.state_dict().items():
+            if ".lora_" in key:
+                continue
+            out[key.replace(".base_layer.", ".")] = tensor.detach()
+        with torch.no_grad():
+            for module_name, module in model.named_modules():
+                if isinstance(module, LoraLayer) and name in module.lora_A:
+                    layer: Any = module  # a peft lora.Linear (LoraLayer declares no get_delta_weight)
+                    weight = layer.get_base_layer().weight
+                    out[f"{module_name}.weight"] = weight + layer.get_delta_weight(name).to(weight.dtype)
+        return out
 
 
 def load_tensors(own: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> None:

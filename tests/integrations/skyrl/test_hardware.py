@@ -160,3 +160,49 @@ def test_floe_backend_applies_last_and_another_engine_replaces_the_table():
     with pytest.raises(floe.InvalidInput) as info:
         skyrl_hardware(*sections(), device="tpu")
     assert info.value.field == "floe.backend.device"
+
+
+# -- LoRA (trainer.policy.model.lora; skyrl_lora) -----------------------------------------------------------------
+
+L = "trainer.policy.model.lora"
+# SkyRL 0.4.0's SkyRLLoraConfig defaults with a rank
+SKYRL_LORA = {"rank": 32, "alpha": 32, "dropout": 0.0, "lora_sync_path": "/tmp/skyrl_lora_sync", "sync_mode": "disk",
+              "target_modules": "all-linear", "exclude_modules": None, "init_method": "kaiming",
+              "share_expert_adapters": True, "max_loras": 1, "max_cpu_loras": None}
+
+
+def _lora(**changes: Any) -> dict[str, Any]:
+    return {**SKYRL_LORA, **changes}
+
+
+def test_skyrl_lora_keys_become_floes_lora_table():
+    assert "lora" not in backend_of("cpu", **{L: _lora(rank=0)})
+    assert backend_of("cpu", **{L: _lora()})["lora"] == {"rank": 32, "alpha": 32.0, "target_modules": "all-linear",
+                                                         "init": "kaiming"}
+    lora = backend_of("cpu", **{L: _lora(exclude_modules="o_proj", init_method="gaussian")})["lora"]
+    assert lora == {"rank": 32, "alpha": 32.0, "target_modules": "all-linear", "exclude_modules": ["o_proj"],
+                    "init": "gaussian"}
+    assert backend_of("cpu", **{L: _lora(target_modules=["q_proj", "o_proj"])})["lora"]["target_modules"] == ["q_proj", "o_proj"]
+    one_gpu = backend_of(**{L: _lora(), "trainer.placement.colocate_all": False})
+    assert one_gpu["lora"]["rank"] == 32 and one_gpu["placement"] == {"kind": "local"}
+
+
+@pytest.mark.parametrize(("changes", "key"), [
+    ({"alpha": -1}, "alpha"),
+    ({"dropout": 0.1}, "dropout"),
+    ({"init_method": "pissa"}, "init_method"),
+    ({"target_modules": "q_proj|v_proj"}, "target_modules"),
+    ({"lora_sync_path": "/mnt/lora"}, "lora_sync_path"),
+    ({"sync_mode": "memory"}, "sync_mode"),
+    ({"max_loras": 4}, "max_loras"),
+])
+def test_skyrl_lora_settings_floe_cannot_honour_are_refused_by_their_skyrl_key(changes, key):
+    with pytest.raises(floe.InvalidInput) as e:
+        skyrl_hardware(*sections(**{L: _lora(**changes)}), device="cpu")
+    assert e.value.field == f"{L}.{key}"
+
+
+def test_skyrl_lora_on_the_ray_placement_is_refused_by_the_rank():
+    with pytest.raises(floe.InvalidInput) as e:  # SkyRL's default: one GPU shared by training and generation
+        skyrl_hardware(*sections(**{L: _lora()}))
+    assert e.value.field == f"{L}.rank" and "local placement" in str(e.value)

@@ -30,6 +30,10 @@ REFUSED = {
 }
 
 
+# Recipes that train a LoRA adapter: the backend's settings line names it.
+LORA = {"grpo_lora": "lora=rank 32 alpha 32 targets all-linear"}
+
+
 @pytest.mark.timeout(700)
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_stock_recipe_runs_through_the_switch(assets: dict[str, Path], tmp_path: Path, name: str) -> None:
@@ -44,6 +48,8 @@ def test_stock_recipe_runs_through_the_switch(assets: dict[str, Path], tmp_path:
         assert not (tmp_path / "export" / "floe_metrics.jsonl").exists()
         return
     assert proc.returncode == 0, log[-5000:]
+    if name in LORA:  # the recipe's adapter is what the backend trains (floe.integrations.hardware.describe)
+        assert LORA[name] in log, log[-3000:]
     records = [json.loads(line) for line in (tmp_path / "export" / "floe_metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "policy/rollout_train_logprobs_abs_diff_mean" in r]
     assert [r["step"] for r in train] == list(range(1, STEPS + 1)), records

@@ -1,5 +1,6 @@
 """verl's own example recipes, as the stock scripts run them: the command-line keys of
-`examples/<algorithm>_trainer/run_qwen3_8b_fsdp.sh` at verl's v0.9.0 tag (the newest tag in the
+`examples/<algorithm>_trainer/run_qwen3_8b_fsdp.sh` (and the LoRA baseline
+`examples/tuning/lora/run_qwen3_8b_fsdp.sh`) at verl's v0.9.0 tag (the newest tag in the
 mirror; every run goes through verl 0.9.1's own config, which accepts them), each script's shell
 defaults for the GPU branch expanded. Transcribed, not copied: only the keys. `cpu_sized` keeps every algorithm key and
 replaces only the model, data, sizes, device and logging for this CPU machine
@@ -409,6 +410,53 @@ RECIPES: dict[str, StockRecipe] = {r.name: r for r in (
         'trainer.test_freq=5',
         'trainer.total_epochs=15',
     )),
+    StockRecipe('grpo_lora', 'examples/tuning/lora/run_qwen3_8b_fsdp.sh', (
+        'algorithm.adv_estimator=grpo',
+        'algorithm.use_kl_in_reward=False',
+        'data.train_files=$HOME/data/gsm8k/train.parquet',
+        'data.val_files=$HOME/data/gsm8k/test.parquet',
+        'data.train_batch_size=64',
+        'data.max_prompt_length=512',
+        'data.max_response_length=1024',
+        'data.filter_overlong_prompts=True',
+        "data.truncation='error'",
+        'actor_rollout_ref.model.path="Qwen/Qwen3-8B"',
+        'actor_rollout_ref.model.lora_rank=64',
+        'actor_rollout_ref.model.lora_alpha=32',
+        'actor_rollout_ref.model.use_remove_padding=True',
+        'actor_rollout_ref.model.enable_gradient_checkpointing=True',
+        'actor_rollout_ref.actor.optim.lr=3e-6',
+        'actor_rollout_ref.actor.ppo_mini_batch_size=32',
+        'actor_rollout_ref.actor.use_dynamic_bsz=True',
+        'actor_rollout_ref.actor.ppo_max_token_len_per_gpu=12288',
+        'actor_rollout_ref.actor.use_kl_loss=True',
+        'actor_rollout_ref.actor.kl_loss_coef=0.001',
+        'actor_rollout_ref.actor.kl_loss_type=low_var_kl',
+        'actor_rollout_ref.actor.entropy_coeff=0',
+        'actor_rollout_ref.actor.fsdp_config.param_offload=False',
+        'actor_rollout_ref.actor.fsdp_config.optimizer_offload=False',
+        'actor_rollout_ref.rollout.name=vllm',
+        'actor_rollout_ref.rollout.tensor_model_parallel_size=2',
+        'actor_rollout_ref.rollout.gpu_memory_utilization=0.6',
+        'actor_rollout_ref.rollout.n=5',
+        'actor_rollout_ref.rollout.load_format=safetensors',
+        'actor_rollout_ref.rollout.layered_summon=True',
+        'actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True',
+        'actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=12288',
+        'actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True',
+        'actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=12288',
+        'actor_rollout_ref.ref.fsdp_config.param_offload=True',
+        'trainer.balance_batch=True',
+        'trainer.logger=\'["console","wandb"]\'',
+        'trainer.project_name=verl_grpo_lora_gsm8k',
+        'trainer.experiment_name=qwen3_8b_lora_vllm_fsdp',
+        'trainer.n_gpus_per_node=2',
+        'trainer.nnodes=1',
+        'trainer.val_before_train=False',
+        'trainer.save_freq=20',
+        'trainer.test_freq=5',
+        'trainer.total_epochs=15',
+    )),
 )}
 
 
@@ -444,4 +492,15 @@ def cpu_sized(recipe: StockRecipe, base: list[str]) -> list[str]:
     out += [f"{name}=2048" for name in TOKEN_BUDGETS if name in stock]
     out += ["trainer.val_before_train=False", "trainer.test_freq=-1", "+floe.backend.device=cpu",
             "+floe.backend.sampler.engine.name=torch"]
+    if needs_vllm(recipe):
+        out = [k for k in out if key_name(k) != "actor_rollout_ref.rollout.name"] + ["actor_rollout_ref.rollout.name=floe"]
     return out
+
+
+def needs_vllm(recipe: StockRecipe) -> bool:
+    """Whether verl itself imports vLLM for `recipe`: its `validate_config` checks a LoRA rank
+    against vLLM's (`get_vllm_max_lora_rank`) when lora_rank > 0 and rollout.name=vllm. verl's
+    environment here has no vLLM, so such a recipe names floe's engine (rollout.name=floe): the
+    same torch engine samples either way (`+floe.backend.sampler.engine.name=torch`)."""
+    stock = {key_name(k): k.split("=", 1)[1] for k in recipe.keys}
+    return stock.get("actor_rollout_ref.model.lora_rank", "0") != "0" and stock.get("actor_rollout_ref.rollout.name") == "vllm"

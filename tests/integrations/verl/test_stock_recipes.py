@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.integrations.verl.assets import make_data, make_model
-from tests.integrations.verl.run import VLLM_RECIPE_SWITCH, grpo_recipe, run_main_ppo
-from tests.integrations.verl.stock_recipes import RECIPES, cpu_sized
+from tests.integrations.verl.run import FLOE_SWITCH, VLLM_RECIPE_SWITCH, grpo_recipe, run_main_ppo
+from tests.integrations.verl.stock_recipes import RECIPES, cpu_sized, needs_vllm
 
 pytestmark = [pytest.mark.verl, pytest.mark.timeout(900)]
 
@@ -38,18 +38,25 @@ REFUSED = {
 }
 
 
+# Recipes that train a LoRA adapter: the backend's settings line names it.
+LORA = {"grpo_lora": "lora=rank 64 alpha 32 targets all-linear"}
+
+
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_stock_recipe_runs_through_the_switch(assets, name):
     recipe = RECIPES[name]
     out = assets["root"] / name
     args = cpu_sized(recipe, grpo_recipe(assets["model"], assets["train"], assets["test"], out, steps=STEPS))
-    run = run_main_ppo(args, assets["root"] / f"{name}.log", timeout_s=600, switch=VLLM_RECIPE_SWITCH)
+    switch = FLOE_SWITCH if needs_vllm(recipe) else VLLM_RECIPE_SWITCH  # stock_recipes.needs_vllm
+    run = run_main_ppo(args, assets["root"] / f"{name}.log", timeout_s=600, switch=switch)
     print(f"verl {recipe.source} on floe: exit {run.returncode}, {run.seconds:.0f} s")
     if name in REFUSED:
         assert run.returncode not in (0, 124, 137) and REFUSED[name] in run.log, run.log[-3000:]
         assert not any(s > 0 for s in run.steps)
         return
     assert run.returncode == 0, run.log[-5000:]
+    if name in LORA:  # the recipe's adapter is what the backend trains (floe.integrations.hardware.describe)
+        assert LORA[name] in run.log, run.log[-3000:]
     assert sorted(s for s in run.steps if s > 0) == list(range(1, STEPS + 1)), run.log[-3000:]
     for step in range(1, STEPS + 1):
         m = run.steps[step]

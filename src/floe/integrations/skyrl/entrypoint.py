@@ -43,9 +43,9 @@ import floe
 from floe.atomic import atomic_write_text
 from floe.config import parse_config
 from floe.errors import InvalidInput
-from floe.integrations.hardware import describe, with_overrides
+from floe.integrations.hardware import check_server_lora, describe, with_overrides
 from floe.integrations.skyrl.dispatch import FloeRayPPOTrainer
-from floe.integrations.skyrl.hardware import SkyRLHardware, skyrl_hardware
+from floe.integrations.skyrl.hardware import SkyRLHardware, skyrl_hardware, skyrl_lora
 from floe.integrations.skyrl.inference import FloeInferenceClient
 from floe.integrations.skyrl.mapping import SkyRLLoss, map_loss, map_optimizer, optimizer_steps
 from floe.placement.gpus import check_cluster_gpus, needs_gpu_process
@@ -91,8 +91,6 @@ def check_supported(cfg: SkyRLTrainConfig) -> SkyRLLoss:
         raise InvalidInput("trainer.fully_async.enabled", "floe's SkyRL plugin runs SkyRL's synchronous trainer")
     if trainer.update_ref_every_epoch:
         raise InvalidInput("trainer.update_ref_every_epoch", "floe's reference zone is fixed for the run")
-    if trainer.policy.model.lora.rank > 0:
-        raise InvalidInput("trainer.policy.model.lora.rank", "LoRA is not supported by floe's SkyRL plugin")
     if cfg.generator.vision_language_generator:
         raise InvalidInput("generator.vision_language_generator", "floe is text-only")
     loss = map_loss(asdict(trainer.algorithm), max_tokens_per_microbatch=trainer.max_tokens_per_microbatch,
@@ -135,7 +133,11 @@ def connect_floe(cfg: FloeSkyRLConfig) -> floe.Client:
         if block.backend:
             raise InvalidInput("floe.backend", "configures the embedded backend; a floe.url server has its own "
                                "configuration: drop one of them")
-        return floe.connect(block.url, token=block.token)
+        client = floe.connect(block.url, token=block.token)
+        trainer = cfg.trainer
+        recipe_lora = skyrl_lora(asdict(trainer.policy.model.lora), {"kind": "local"})  # the server's own placement
+        check_server_lora(recipe_lora, client.info().capabilities.get("lora"), "trainer.policy.model.lora.rank")
+        return client
     backend, _ = embedded_backend(cfg)
     log.warning("%s", describe(backend))
     return floe.connect(parse_config(floe.BackendConfig, backend, where="floe.backend"))

@@ -18,6 +18,8 @@ says ``floe.backend.device=cpu``.
 | generator.inference_engine.backend (vllm) | sampler.engine.name |
 | generator.inference_engine.model_dtype | sampler.engine.dtype |
 | generator.inference_engine.{gpu_memory_utilization, enforce_eager, max_num_seqs, enable_prefix_caching, max_num_batched_tokens, enable_chunked_prefill} | the vLLM engine's keys of the same names |
+| trainer.policy.model.lora.{rank (> 0), alpha, dropout (0), target_modules, exclude_modules, init_method (kaiming, gaussian)} | lora.{rank, alpha, dropout, target_modules, exclude_modules, init} (`skyrl_lora`; local placement only) |
+| trainer.policy.model.lora.{lora_sync_path, sync_mode, share_expert_adapters, max_loras, max_cpu_loras} | SkyRL's defaults only (floe syncs merged weights in memory) |
 | generator.inference_engine.num_engines × tensor_parallel_size × data_parallel_size | must divide G: one single-GPU sampler replica per GPU |
 """
 
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from floe.errors import InvalidInput
-from floe.integrations.hardware import floe_dtype, vllm_engine
+from floe.integrations.hardware import floe_dtype, lora_table, vllm_engine
 from floe.placement.gpus import GpuLayout, placement_for
 
 _ENGINE = "generator.inference_engine"
@@ -60,6 +62,42 @@ def _int(section: Mapping[str, Any], key: str, where: str, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise InvalidInput(f"{where}.{key}", f"must be an integer >= {low}, got {value!r}")
     return value
+
+
+_LORA = "trainer.policy.model.lora"
+# LoRA keys that must keep SkyRL's default: what else they ask for floe does not do
+_LORA_OFF: dict[str, tuple[Any, str]] = {
+    "lora_sync_path": ("/tmp/skyrl_lora_sync", "floe syncs the merged weights in memory, no adapter files"),
+    "sync_mode": ("disk", "Megatron's adapter-only sync; floe syncs the merged weights in memory"),
+    "share_expert_adapters": (True, "Megatron's grouped-expert adapters; floe trains peft on FSDP"),
+    "max_loras": (1, "floe's sampler serves the one policy adapter, merged into its weights"),
+    "max_cpu_loras": (None, "floe's sampler serves the one policy adapter, merged into its weights"),
+}
+_INIT = {"kaiming": "kaiming", "true": "kaiming", "gaussian": "gaussian"}
+
+
+def skyrl_lora(lora: Mapping[str, Any], placement: Mapping[str, Any]) -> dict[str, Any] | None:
+    """floe's `[lora]` table from ``trainer.policy.model.lora`` (``asdict``; None for rank 0):
+    rank, alpha, dropout (0 only), target_modules, exclude_modules, init_method (kaiming or
+    gaussian, peft's init_lora_weights as SkyRL's FSDP worker passes it); the sync and serving
+    keys keep their defaults (`_LORA_OFF`). InvalidInput naming the SkyRL key otherwise."""
+    table = lora_table(lora.get("rank", 0), lora.get("alpha", 16), lora.get("target_modules", "all-linear"),
+                       lora.get("exclude_modules"), {k: f"{_LORA}.{k}" for k in
+                                                     ("rank", "alpha", "target_modules", "exclude_modules")}, placement)
+    if table is None:
+        return None
+    if lora.get("dropout", 0.0) != 0:
+        raise InvalidInput(f"{_LORA}.dropout", "floe runs without dropout (RL log-probs are deterministic functions of "
+                                               "the weights); set it to 0")
+    init = str(lora.get("init_method", "kaiming")).lower()
+    if init not in _INIT:
+        raise InvalidInput(f"{_LORA}.init_method", f"floe initialises A as peft's kaiming (default) or gaussian, got "
+                                                   f"{lora.get('init_method')!r}")
+    table["init"] = _INIT[init]
+    for key, (default, why) in _LORA_OFF.items():
+        if lora.get(key, default) != default:
+            raise InvalidInput(f"{_LORA}.{key}", f"{why}; keep SkyRL's default {default!r}")
+    return table
 
 
 def skyrl_hardware(trainer: Mapping[str, Any], generator: Mapping[str, Any], device: str | None = None) -> SkyRLHardware:
@@ -128,4 +166,7 @@ def skyrl_hardware(trainer: Mapping[str, Any], generator: Mapping[str, Any], dev
     attn = "flash_attention_2" if on_gpu and trainer.get("flash_attn", True) else "auto"
     backend = {"device": device, "dtype": dtype, "attn_implementation": attn, "compute": compute,
                "sampler": {"engine": engine}, "placement": placement}
+    lora = skyrl_lora((policy.get("model") or {}).get("lora") or {}, placement)
+    if lora is not None:
+        backend["lora"] = lora
     return SkyRLHardware(backend, gpus, "vllm")

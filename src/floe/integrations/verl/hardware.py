@@ -24,6 +24,10 @@ them and why they change no number.
 | rollout.tensor_model_parallel_size × data_parallel_size | must divide the GPUs: floe runs one single-GPU sampler replica per GPU |
 | rollout.dtype | sampler.engine.dtype |
 | rollout.{gpu_memory_utilization, enforce_eager, max_num_seqs, max_model_len, enable_prefix_caching, max_num_batched_tokens, enable_chunked_prefill} | the vLLM engine's keys of the same names |
+| model.lora_rank (> 0), lora_alpha | lora.rank, lora.alpha (`verl_lora`; local placement only) |
+| model.target_modules ("all-linear" or names), exclude_modules (a name or names) | lora.target_modules, lora.exclude_modules |
+| model.target_parameters, lora_adapter_path, lora.rank (Megatron) | refused unless null / 0 |
+| rollout.layered_summon, model.use_shm | accepted: memory / file-copy details of verl's own sync and loading; floe syncs merged weights itself |
 
 The plugin's own backend takes these; a `floe.url` server keeps the configuration it was started
 with (the plugin then only checks that the keys are valid).
@@ -36,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from floe.errors import InvalidInput
-from floe.integrations.hardware import floe_dtype, vllm_engine
+from floe.integrations.hardware import floe_dtype, lora_table, vllm_engine
 from floe.placement.gpus import GpuLayout, placement_for
 
 ARO = "actor_rollout_ref"
@@ -90,6 +94,28 @@ def _must_be(cfg: Mapping[str, Any], dotted: str, allowed: tuple[Any, ...], why:
     value = _get(cfg, dotted, allowed[0])
     if value not in allowed:
         raise InvalidInput(dotted, f"{why} (got {value!r})")
+
+
+def verl_lora(cfg: Mapping[str, Any], placement: Mapping[str, Any]) -> dict[str, Any] | None:
+    """floe's `[lora]` table from verl's FSDP LoRA keys of `actor_rollout_ref.model` (None for
+    lora_rank 0), per the module's table; InvalidInput naming the verl key for the LoRA settings
+    floe cannot honour: target_parameters (adapters on bare nn.Parameters), lora_adapter_path
+    (a pre-trained adapter to continue from: floe resumes its own states), Megatron's `lora`
+    block."""
+    if _get(cfg, f"{MODEL}.target_parameters") not in (None, []):
+        raise InvalidInput(f"{MODEL}.target_parameters", "floe adapts linear modules only (target_modules); set it null")
+    if _get(cfg, f"{MODEL}.lora.rank", 0) not in (0, None):
+        raise InvalidInput(f"{MODEL}.lora.rank", "that is Megatron's LoRA block; floe trains with FSDP: set "
+                                                 "model.lora_rank / lora_alpha / target_modules instead")
+    lora = lora_table(_get(cfg, f"{MODEL}.lora_rank", 0), _get(cfg, f"{MODEL}.lora_alpha", 16),
+                      _get(cfg, f"{MODEL}.target_modules", "all-linear"), _get(cfg, f"{MODEL}.exclude_modules"),
+                      {k: f"{MODEL}.{v}" for k, v in (("rank", "lora_rank"), ("alpha", "lora_alpha"),
+                                                       ("target_modules", "target_modules"),
+                                                       ("exclude_modules", "exclude_modules"))}, placement)
+    if lora is not None and _get(cfg, f"{MODEL}.lora_adapter_path") is not None:
+        raise InvalidInput(f"{MODEL}.lora_adapter_path", "floe starts the adapter from peft's init (B = 0) and resumes "
+                                                         "its own states (trainer.resume_mode); set it null")
+    return lora
 
 
 def verl_hardware(cfg: Mapping[str, Any], device: str | None = None) -> VerlHardware:
@@ -170,4 +196,7 @@ def verl_hardware(cfg: Mapping[str, Any], device: str | None = None) -> VerlHard
         "device": device, "dtype": dtype, "trust_remote_code": _flag(cfg, f"{MODEL}.trust_remote_code", False),
         "compute": compute, "sampler": {"engine": sampler_engine}, "placement": placement,
     }
+    lora = verl_lora(cfg, placement)
+    if lora is not None:
+        backend["lora"] = lora
     return VerlHardware(backend, gpus, engine)

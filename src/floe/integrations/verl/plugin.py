@@ -50,7 +50,7 @@ from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutRep
 import floe
 from floe.convert import RowLayout, verl_sequence_values, verl_to_batch
 from floe.errors import InvalidInput
-from floe.integrations.hardware import describe
+from floe.integrations.hardware import check_server_lora, describe
 from floe.integrations.verl.backend_config import floe_target
 from floe.integrations.verl.local_server import LocalServer
 from floe.integrations.verl.loss_mapping import VerlLoss, verl_loss, weighted_advantages
@@ -377,6 +377,9 @@ class FloeTrainer(PPOTrainerSync):
         schedule = VerlSchedule(cfg["actor_rollout_ref"]["actor"]["optim"])
         model = cfg["actor_rollout_ref"]["model"]
         capabilities = client.info().capabilities
+        if target.url is not None:
+            check_server_lora(target.hardware.backend.get("lora"), capabilities.get("lora"),
+                              "actor_rollout_ref.model.lora_rank")
         self.floe_policy_devices = int(capabilities.get("policy_devices", 1))
         throughput = ActorThroughput(AutoConfig.from_pretrained(model["path"], trust_remote_code=bool(
             model.get("trust_remote_code", False))), capabilities)
