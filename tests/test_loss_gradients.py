@@ -117,9 +117,12 @@ def dppo_keeps(cfg: dict, lp: float, old: float, A: float) -> bool:
     return (d <= hi or p <= q) if A > 0 else (d <= lo or p >= q)
 
 
-def naive_loss(model, batch: floe.Batch, name: str, cfg: dict, aggregation: str, kl, ent_coef, norm_length=None):
+def naive_loss(model, batch: floe.Batch, name: str, cfg: dict, aggregation: str, kl, ent_coef, norm_length=None,
+               kl_aggregation=None, entropy_aggregation=None):
+    """The loss of docs/losses.md: per sample the weighted sums of ℓ, of the KL estimate and of the
+    entropy, each term aggregated by its own aggregation (None: `aggregation`)."""
     samples = [(g.prompt, s) for g in batch.groups for s in g.samples]
-    per_sample_sums, per_sample_wsum, lengths = [], [], []
+    per_sample_sums, kl_sums, ent_sums, per_sample_wsum, lengths = [], [], [], [], []
     lo, hi = 1 - cfg.get("clip_low", 0.2), 1 + cfg.get("clip_high", 0.2)
     scored = [naive_token_logprobs(model, prompt, s.tokens, TEMPERATURE) for prompt, s in samples]
     selected = naive_selection(name, cfg, samples, scored) if name in ("clip_cov", "kl_cov") else set()
@@ -143,7 +146,7 @@ def naive_loss(model, batch: floe.Batch, name: str, cfg: dict, aggregation: str,
                 else:
                     kept.append(d * 0.0)
             geo = -sum(adv[t] for t in active) / len(active) * torch.exp(sum(kept) / len(active))
-        total = 0.0
+        total, kl_total, ent_total = 0.0, 0.0, 0.0
         for t in range(n):
             lp = logps[t]
             if name == "cross_entropy":
@@ -188,21 +191,28 @@ def naive_loss(model, batch: floe.Batch, name: str, cfg: dict, aggregation: str,
             if kl:
                 d = lp - s.ref_logprobs[t]
                 k = {"k1": d, "k2": 0.5 * d * d, "k3": torch.exp(-d) + d - 1}[kl[1]]
-                loss = loss + kl[0] * k
+                kl_total = kl_total + w[t] * kl[0] * k
             if ent_coef:
-                loss = loss - ent_coef * ents[t]
+                ent_total = ent_total - w[t] * ent_coef * ents[t]
             total = total + w[t] * loss
         per_sample_sums.append(total)
+        kl_sums.append(kl_total)
+        ent_sums.append(ent_total)
         per_sample_wsum.append(sum(w))
         lengths.append(n)
     N = len(samples)
-    if aggregation == "sum":
-        return sum(per_sample_sums)
-    if aggregation == "token_mean":
-        return sum(per_sample_sums) / sum(per_sample_wsum)
-    if aggregation == "seq_mean_token_mean":
-        return sum(x / w for x, w in zip(per_sample_sums, per_sample_wsum)) / N
-    return sum(per_sample_sums) / (N * (norm_length or max(lengths)))
+
+    def aggregate(sums, how):
+        if how == "sum":
+            return sum(sums)
+        if how == "token_mean":
+            return sum(sums) / sum(per_sample_wsum)
+        if how == "seq_mean_token_mean":
+            return sum(x / w for x, w in zip(sums, per_sample_wsum)) / N
+        return sum(sums) / (N * (norm_length or max(lengths)))
+
+    return (aggregate(per_sample_sums, aggregation) + aggregate(kl_sums, kl_aggregation or aggregation)
+            + aggregate(ent_sums, entropy_aggregation or aggregation))
 
 
 def flat_grads(params) -> torch.Tensor:
@@ -419,3 +429,127 @@ def test_batch_statistic_travels_with_data_parallel_shares(client, loss):
     assert math.isclose(clipped, one.metrics["clip_fraction"] * one.metrics["tokens"])
     with pytest.raises(ValueError, match="batch statistics"):  # the statistic is never silently left out
         accumulate_microbatches(score, sub, plan, share.scales, spec, device, None)
+
+
+# Each term under its own aggregation (kl.aggregation / entropy.aggregation): (loss, its keys,
+# policy aggregation, KL aggregation, entropy aggregation), the frameworks' combinations among them:
+# verl's geo_mean / sapo (policy by sequence mean, KL and entropy by loss_agg_mode), SkyRL's summed
+# pre-scaled policy term with the KL as a per-sequence token mean (clip_cov and kl_cov included).
+TERM_AGGREGATIONS = [
+    ("geo_mean", LOSSES["geo_mean"], "seq_mean_token_mean", "token_mean", "token_mean"),
+    ("sapo", LOSSES["sapo"], "seq_mean_token_mean", "seq_mean_token_sum_norm", "sum"),
+    ("ppo", LOSSES["ppo"], "sum", "seq_mean_token_mean", None),
+    ("clip_cov", LOSSES["clip_cov"], "sum", "seq_mean_token_mean", "token_mean"),
+    ("kl_cov", LOSSES["kl_cov"], "sum", "seq_mean_token_mean", None),
+    ("importance_sampling", {}, "token_mean", None, "sum"),
+]
+TERM_IDS = [f"{n}-{p}-kl_{k}-ent_{e}" for n, _, p, k, e in TERM_AGGREGATIONS]
+KL_TERM, ENT_COEF = (0.4, "k3"), 0.05
+
+
+def _term_cfg(keys: dict, policy: str, kl: str | None, entropy: str | None) -> dict:
+    return dict(keys, aggregation=policy, kl={"coef": KL_TERM[0], "estimator": KL_TERM[1], "aggregation": kl},
+                entropy={"coef": ENT_COEF, "aggregation": entropy})
+
+
+@pytest.mark.parametrize(("loss", "keys", "policy", "kl", "entropy"), TERM_AGGREGATIONS, ids=TERM_IDS)
+def test_kl_and_entropy_aggregations_match_naive_reference(client, loss, keys, policy, kl, entropy):
+    """loss = policy term under `aggregation` + coef·KL under `kl.aggregation` − coef·H under
+    `entropy.aggregation`: loss and gradients against the naive reference (each term aggregated
+    on its own), over micro-batches of 24 tokens; the result reports each term's aggregation;
+    and the separate aggregation really changes the gradient (one shared aggregation differs)."""
+    backend = backend_of(client)
+    model, params = backend.policy.model, backend.policy.params
+    batch = make_batch(backend.vocab_size, seed=zlib.crc32(f"terms:{loss}:{policy}:{kl}:{entropy}".encode()) % 1000)
+    expected, expected_loss = reference_grads(model, params, batch, loss, keys, policy, KL_TERM, ENT_COEF,
+                                              kl_aggregation=kl, entropy_aggregation=entropy)
+    shared, _ = reference_grads(model, params, batch, loss, keys, policy, KL_TERM, ENT_COEF)
+    torch.manual_seed(SEED)
+    result = client.forward_backward(batch, loss, _term_cfg(keys, policy, kl, entropy), temperature=TEMPERATURE)
+    got = take_grads(backend)
+    assert rel_err(got, expected) < 1e-5
+    assert math.isclose(result.metrics["loss"], expected_loss, rel_tol=1e-5, abs_tol=1e-6)
+    assert rel_err(shared, expected) > 1e-3  # the term's own aggregation matters on this batch
+    assert result.loss_config["aggregation"] == policy
+    assert result.loss_config["kl"]["aggregation"] == (kl or policy)
+    assert result.loss_config["entropy"]["aggregation"] == (entropy or policy)
+
+
+@pytest.mark.parametrize(("loss", "keys", "policy", "kl", "entropy"), TERM_AGGREGATIONS[:4], ids=TERM_IDS[:4])
+def test_kl_and_entropy_aggregations_do_not_depend_on_micro_batching(client, tiny_model, tmp_path, loss, keys, policy,
+                                                                     kl, entropy):
+    """The KL's and entropy's scales are fixed over the whole call like the policy term's: micro-
+    batches of 24 tokens and one micro-batch for everything give the same loss and gradients."""
+    backend = backend_of(client)
+    batch = make_batch(backend.vocab_size, seed=77)
+    cfg = _term_cfg(keys, policy, kl, entropy)
+    torch.manual_seed(SEED)
+    split = client.forward_backward(batch, loss, cfg, temperature=TEMPERATURE)
+    split_grads = take_grads(backend)
+    whole_cfg = floe.BackendConfig(model=str(tiny_model), state_dir=str(tmp_path / "s"),
+                                   compute=floe.ComputeConfig(max_tokens_per_microbatch=4096))
+    with floe.connect(whole_cfg) as whole:
+        torch.manual_seed(SEED)
+        one = whole.forward_backward(batch, loss, cfg, temperature=TEMPERATURE)
+        one_grads = take_grads(backend_of(whole))
+    assert rel_err(split_grads, one_grads) < 1e-5
+    assert math.isclose(split.metrics["loss"], one.metrics["loss"], rel_tol=1e-5)
+
+
+@pytest.mark.parametrize(("loss", "keys", "policy", "kl", "entropy"), [TERM_AGGREGATIONS[0], TERM_AGGREGATIONS[3]],
+                         ids=[TERM_IDS[0], TERM_IDS[3]])
+def test_kl_and_entropy_scales_travel_with_data_parallel_shares(client, loss, keys, policy, kl, entropy):
+    """The data-parallel path without the ranks (as for the batch statistic above): each share
+    carries its samples' global scales of every term (`RankShare.scales`), the shares' gradients
+    summed are one process's."""
+    from floe.backend.data_parallel import split_batch  # noqa: PLC0415
+    from floe.backend.policy import accumulate_microbatches, batch_token_stats, score_flat  # noqa: PLC0415
+    from floe.backend.scoring import plan_batch, uses_prefix_dedup  # noqa: PLC0415
+    from floe.compute.losses import resolve_loss  # noqa: PLC0415
+
+    backend = backend_of(client)
+    policy_zone = backend.policy
+    batch = make_batch(backend.vocab_size, seed=43)
+    cfg = _term_cfg(keys, policy, kl, entropy)
+    torch.manual_seed(SEED)
+    one = client.forward_backward(batch, loss, cfg, temperature=TEMPERATURE)
+    expected = take_grads(backend)
+
+    spec = resolve_loss(loss, cfg)
+    device = torch.device("cpu")
+    torch.manual_seed(SEED)
+    stats = batch_token_stats(batch, spec, policy_zone.forward(batch, TEMPERATURE, False).logprobs, device)
+    shares = split_batch(batch, 2, spec, stats)
+    assert all(share.batch is not None and share.scales.kl != share.scales.policy for share in shares)
+    total = 0.0
+    for share in shares:
+        sub = share.batch
+        assert sub is not None
+        plan = plan_batch(sub, policy_zone.compute, uses_prefix_dedup(policy_zone.model, policy_zone.compute),
+                          policy_zone.model)
+
+        def score(mb, sub=sub):
+            return score_flat(policy_zone.model, sub, mb, TEMPERATURE, True, policy_zone.compute)
+
+        _, sums = accumulate_microbatches(score, sub, plan, share.scales, spec, device, share.stats)
+        total += sum(p["loss"] for p in sums)
+    got = take_grads(backend)
+    assert rel_err(got, expected) < 1e-5
+    assert math.isclose(total, one.metrics["loss"], rel_tol=1e-5)
+
+
+def test_term_aggregation_keys_are_validated():
+    """kl.aggregation / entropy.aggregation: one of the aggregations (InvalidInput naming the key);
+    norm_length is accepted when any term uses seq_mean_token_sum_norm, refused when none does."""
+    from floe.compute.losses import resolve_loss  # noqa: PLC0415
+
+    with pytest.raises(floe.InvalidInput, match=r"loss_config\.kl\.aggregation"):
+        resolve_loss("ppo", {"kl": {"coef": 0.1, "aggregation": "mean"}})
+    with pytest.raises(floe.InvalidInput, match=r"loss_config\.entropy\.aggregation"):
+        resolve_loss("ppo", {"entropy": {"coef": 0.1, "aggregation": "token-mean"}})
+    spec = resolve_loss("ppo", {"kl": {"coef": 0.1, "aggregation": "seq_mean_token_sum_norm"}, "norm_length": 9})
+    assert spec.config.term_aggregations() == ("token_mean", "seq_mean_token_sum_norm", "token_mean")
+    with pytest.raises(floe.InvalidInput, match="norm_length"):
+        resolve_loss("ppo", {"kl": {"coef": 0.1, "aggregation": "sum"}, "norm_length": 9})
+    resolved = resolve_loss("ppo", None).resolved()  # the defaults report the aggregation that runs
+    assert resolved["kl"]["aggregation"] == resolved["entropy"]["aggregation"] == "token_mean"

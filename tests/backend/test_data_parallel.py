@@ -14,7 +14,7 @@ from floe.backend.data_parallel import (
     merge_forward_backward,
     split_batch,
 )
-from floe.compute.losses import aggregation_scales, finalize_metrics, resolve_loss
+from floe.compute.losses import SampleScales, aggregation_scales, finalize_metrics, resolve_loss
 from floe.types import ForwardResult
 
 
@@ -44,7 +44,7 @@ def test_groups_stay_whole_and_every_group_goes_to_exactly_one_rank():
         assert share.batch is not None
         assert share.group_indices == sorted(share.group_indices)  # batch order kept within a rank
         assert [g is batch.groups[i] for g, i in zip(share.batch.groups, share.group_indices)] == [True] * len(share.group_indices)
-        assert share.scales == []  # forward: no loss scales
+        assert len(share.scales) == 0  # forward: no loss scales
 
 
 def test_balanced_by_tokens_largest_first():
@@ -61,7 +61,7 @@ def test_fewer_groups_than_ranks_leaves_empty_shares():
     batch = floe.Batch(_batch().groups[:2])
     shares = split_batch(batch, 4, resolve_loss("cross_entropy", None))
     assert [s.group_indices for s in shares] == [[1], [0], [], []]
-    assert shares[2].batch is None and shares[2].scales == []
+    assert shares[2].batch is None and len(shares[2].scales) == 0
     with pytest.raises(ValueError, match="world_size"):
         split_batch(batch, 0, None)
 
@@ -74,12 +74,34 @@ def test_shares_carry_the_global_scales(aggregation):
     expected = aggregation_scales(
         [len(s.tokens) for s in samples], [sum(s.weights) for s in samples], aggregation, None
     )
+    assert batch_scales(batch, spec) == SampleScales(expected, expected, expected)
+    first = [0]
+    for g in batch.groups:
+        first.append(first[-1] + len(g.samples))
+    for share in split_batch(batch, 3, spec):
+        assert share.scales.policy == [expected[k] for i in share.group_indices for k in range(first[i], first[i + 1])]
+
+
+@pytest.mark.parametrize(("kl", "entropy"), [("seq_mean_token_mean", "sum"), ("sum", None)])
+def test_shares_carry_each_terms_global_scales(kl, entropy):
+    """kl.aggregation / entropy.aggregation: each term's scales are its own aggregation's over
+    the whole batch (None: the policy term's), cut with the samples into the shares."""
+    batch = _batch()
+    spec = resolve_loss("ppo", {"aggregation": "token_mean", "kl": {"coef": 0.1, "aggregation": kl},
+                                "entropy": {"coef": 0.01, "aggregation": entropy}})
+    samples = [s for g in batch.groups for s in g.samples]
+    lengths, sums = [len(s.tokens) for s in samples], [sum(s.weights) for s in samples]
+    policy = aggregation_scales(lengths, sums, "token_mean", None)
+    expected = SampleScales(policy, aggregation_scales(lengths, sums, kl, None),
+                            policy if entropy is None else aggregation_scales(lengths, sums, entropy, None))
+    assert expected.kl != expected.policy
     assert batch_scales(batch, spec) == expected
     first = [0]
     for g in batch.groups:
         first.append(first[-1] + len(g.samples))
     for share in split_batch(batch, 3, spec):
-        assert share.scales == [expected[k] for i in share.group_indices for k in range(first[i], first[i + 1])]
+        picked = [k for i in share.group_indices for k in range(first[i], first[i + 1])]
+        assert share.scales == expected.pick(picked)
 
 
 def _values(batch: floe.Batch, scale: float) -> list[list[list[float]]]:

@@ -30,6 +30,9 @@ world size: every gradient halved) fails the first-order checks by a factor of 2
 the weights after a clipped Adam step come out the same (both are invariant to a gradient
 scale); `test_a_planted_gradient_scale_fails_the_first_order_checks` runs it on the ranks.
 
+The "train" scenario first runs one forward_backward whose KL and entropy terms have their own
+aggregations (`TERMS`) from the initial weights, compares it first-order, and discards it.
+
 Scenarios (three spawns, to keep the suite short; the module's pytest timeout covers all three
 at their bound):
   "train" (2 ranks): 3 GRPO-style steps (importance_sampling, ppo with seq_mean_token_mean,
@@ -78,6 +81,15 @@ def _loss(step: int) -> LossSpec:
     return resolve_loss("importance_sampling", None)
 
 
+# The KL and entropy terms under their own aggregations (each term's global per-sample scales
+# travel with the shares, RankShare.scales): checked once from the initial weights.
+TERMS = {"kl": {"coef": 0.2, "aggregation": "seq_mean_token_mean"}, "entropy": {"coef": 0.05, "aggregation": "sum"}}
+
+
+def _terms_loss() -> LossSpec:
+    return resolve_loss("importance_sampling", dict(TERMS, aggregation="token_mean"))
+
+
 def _batches(old: list[list[list[float]]] | None = None) -> list[floe.Batch]:
     """Step batches: 5 groups of ragged prompts and samples; then 1 group (fewer groups than ranks)."""
     g = torch.Generator().manual_seed(7)
@@ -88,7 +100,8 @@ def _batches(old: list[list[list[float]]] | None = None) -> list[floe.Batch]:
     def group(plen: int, slens: list[int], advs: list[float]) -> floe.Group:
         samples = []
         for n, a in zip(slens, advs):
-            samples.append(floe.Sample(ints(n), logprobs=[-4.0 + 0.01 * k for k in range(n)], advantage=a))
+            samples.append(floe.Sample(ints(n), logprobs=[-4.0 + 0.01 * k for k in range(n)], advantage=a,
+                                       ref_logprobs=[-4.1 + 0.03 * k for k in range(n)]))
         return floe.Group(ints(plen), samples)
 
     big = [
@@ -150,6 +163,17 @@ def _rank_main(rank: int, world: int, scenario: str, model_dir: str, work: str) 
         zone = ShardedPolicyZone(load_model(model_dir, "float32", "cpu"), OPT, COMPUTE, dist.group.WORLD, torch.device("cpu"))
         record: dict[str, Any] = {}
         if scenario == "train":
+            # From the initial weights: the loss with its KL / entropy terms under their own aggregations,
+            # its summed gradient recorded, then discarded (nothing of it reaches the steps below).
+            shares = split_batch(batches[0], world, _terms_loss())
+            partial = zone.forward_backward(shares[rank], _terms_loss(), 1.0)
+            parts_tb: list[Any] = [None] * world
+            dist.all_gather_object(parts_tb, partial, group=zone.group)
+            record["terms"] = merge_forward_backward(batches[0], shares, parts_tb, _terms_loss()).metrics
+            terms_grads = _gradients(zone)
+            zone.discard_gradients()
+            if rank == 0:
+                save_file(terms_grads, str(out / "terms_grads.safetensors"))
             record["steps"] = []
             first_grads: dict[str, torch.Tensor] = {}
             for i, batch in enumerate(batches):
@@ -309,11 +333,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     one_step = PolicyZone(load_model(str(model_dir), "float32", "cpu"), OPT, COMPUTE)
     first_grads: dict[str, torch.Tensor] = {}
     first_step = _step(one_step, batches[0], _loss(0), 1, first_grads)
+    terms_zone = PolicyZone(load_model(str(model_dir), "float32", "cpu"), OPT, COMPUTE)
+    terms = terms_zone.forward_backward(batches[0], _terms_loss(), 1.0).metrics
+    terms_grads = _gradients(terms_zone)
+    shared_zone = PolicyZone(load_model(str(model_dir), "float32", "cpu"), OPT, COMPUTE)  # one shared aggregation
+    shared_zone.forward_backward(batches[0], resolve_loss("importance_sampling", {
+        "kl": {"coef": TERMS["kl"]["coef"]}, "entropy": {"coef": TERMS["entropy"]["coef"]}}), 1.0)
     out = {
         "bf16_step": out_bf16, "bf16_weights": _weights_of(bf16), "w0": w0, "local_first_grads": first_grads,
         "local_first_step": first_step, "local_after_one": _weights_of(one_step),
         "work": work, "model_dir": model_dir, "local": local, "local_steps": steps, "local_final": _weights_of(local),
-        "local_forward": forward, "local_export": export,
+        "local_forward": forward, "local_export": export, "local_terms": terms, "local_terms_grads": terms_grads,
+        "local_shared_grads": _gradients(shared_zone),
     }
     out["train"] = _spawn(2, "train", model_dir, work)
     out["resume1"] = _spawn(1, "resume1", model_dir, work)
@@ -331,6 +362,17 @@ def test_two_ranks_train_like_one_process(runs):
     _close(runs["local_forward"].logprobs, rec["forward"]["logprobs"])
     _close(runs["local_forward"].entropy, rec["forward"]["entropy"])
     assert rec["all_finite"] is True
+
+
+def test_kl_and_entropy_aggregations_on_two_ranks_like_one_process(runs):
+    """The loss with kl.aggregation / entropy.aggregation of their own (TERMS) on 2 ranks: the
+    loss, metrics and the whole summed gradient are one process's (first order, same weights);
+    the term aggregations matter here (one shared aggregation gives another gradient)."""
+    _close(runs["local_terms"], runs["train"]["terms"])
+    ranks = load_file(str(runs["work"] / "train" / "terms_grads.safetensors"))
+    _close_gradients(runs["local_terms_grads"], ranks)
+    with pytest.raises(AssertionError, match="gradient of"):
+        _close_gradients(runs["local_shared_grads"], ranks, tol=1e-3)
 
 
 def test_a_planted_gradient_scale_fails_the_first_order_checks(runs):

@@ -39,7 +39,8 @@ def test_verl_defaults_are_ppo_with_verls_dual_clip_and_token_mean():
     loss = verl_loss(actor())
     assert loss.loss == "ppo"
     assert loss.loss_config == {"clip_low": 0.2, "clip_high": 0.2, "dual_clip": 3.0, "aggregation": "token_mean",
-                                "kl": {"coef": 0.0, "estimator": "k3"}, "entropy": {"coef": 0.0}}
+                                "kl": {"coef": 0.0, "estimator": "k3", "aggregation": "token_mean"},
+                                "entropy": {"coef": 0.0, "aggregation": "token_mean"}}
     assert not loss.needs_ref_logprobs
 
 
@@ -57,13 +58,33 @@ def test_verl_defaults_are_ppo_with_verls_dual_clip_and_token_mean():
 def test_aggregation_modes(mode, factor, aggregation, norm_length):
     cfg = verl_loss(actor(loss_agg_mode=mode, loss_scale_factor=factor)).loss_config
     assert cfg["aggregation"] == aggregation and cfg.get("norm_length") == norm_length
+    assert cfg["kl"]["aggregation"] == cfg["entropy"]["aggregation"] == aggregation  # agg_loss(.., loss_agg_mode)
+
+
+@pytest.mark.parametrize("loss_mode", ["sapo", "geo_mean"])
+@pytest.mark.parametrize(
+    ("mode", "factor", "aggregation", "norm_length"),
+    [("token-mean", None, "token_mean", None), ("token-sum", None, "sum", None),
+     ("seq-mean-token-sum", None, "seq_mean_token_sum_norm", 1), ("seq-mean-token-sum-norm", 64, "seq_mean_token_sum_norm", 64)],
+)
+def test_sapo_and_geo_mean_aggregate_kl_and_entropy_by_loss_agg_mode(loss_mode, mode, factor, aggregation, norm_length):
+    """verl's sapo / geo_mean policy term is a sequence mean whatever loss_agg_mode says; its KL and
+    entropy terms follow loss_agg_mode (ppo_loss's agg_loss): floe's kl / entropy aggregation."""
+    mapped = verl_loss(actor(policy_loss={"loss_mode": loss_mode}, loss_agg_mode=mode, loss_scale_factor=factor,
+                             use_kl_loss=True, kl_loss_coef=0.01, entropy_coeff=0.001))
+    cfg = mapped.loss_config
+    assert cfg["aggregation"] == "seq_mean_token_mean"
+    assert cfg["kl"]["aggregation"] == cfg["entropy"]["aggregation"] == aggregation
+    assert cfg.get("norm_length") == norm_length
+    floe.compute.losses.resolve_loss(mapped.loss, cfg)  # floe accepts it (norm_length serves the KL / entropy terms)
 
 
 @pytest.mark.parametrize(("verl_type", "estimator"), [("kl", "k1"), ("k1", "k1"), ("mse", "k2"), ("k2", "k2"),
                                                      ("low_var_kl", "k3"), ("k3", "k3")])
 def test_kl_loss_maps_coefficient_and_estimator(verl_type, estimator):
     loss = verl_loss(actor(use_kl_loss=True, kl_loss_coef=0.05, kl_loss_type=verl_type))
-    assert loss.loss_config["kl"] == {"coef": 0.05, "estimator": estimator} and loss.needs_ref_logprobs
+    assert loss.loss_config["kl"] == {"coef": 0.05, "estimator": estimator, "aggregation": "token_mean"}
+    assert loss.needs_ref_logprobs
 
 
 def test_a_lower_clip_of_one_or_more_is_no_lower_clip():
@@ -77,7 +98,7 @@ def test_a_lower_clip_of_one_or_more_is_no_lower_clip():
 
 def test_clips_entropy_and_the_clip_ratio_fallback():
     cfg = verl_loss(actor(clip_ratio_low=0.1, clip_ratio_high=0.28, clip_ratio_c=5.0, entropy_coeff=0.01)).loss_config
-    assert (cfg["clip_low"], cfg["clip_high"], cfg["dual_clip"], cfg["entropy"]) == (0.1, 0.28, 5.0, {"coef": 0.01})
+    assert (cfg["clip_low"], cfg["clip_high"], cfg["dual_clip"], cfg["entropy"]) == (0.1, 0.28, 5.0, {"coef": 0.01, "aggregation": "token_mean"})
     cfg = verl_loss(actor(clip_ratio=0.3, clip_ratio_low=None, clip_ratio_high=None)).loss_config
     assert (cfg["clip_low"], cfg["clip_high"]) == (0.3, 0.3)
 
@@ -96,8 +117,6 @@ BYPASS = {"rollout_correction": {"bypass_mode": True}}  # verl's trainer bypass:
         ({"policy_loss": {"loss_mode": "kl_cov", "kl_cov_ratio": 2.0}}, None, "actor_rollout_ref.actor.policy_loss.kl_cov_ratio"),
         ({"policy_loss": {"loss_mode": "kl_cov", "ppo_kl_coef": "x"}}, None, "actor_rollout_ref.actor.policy_loss.ppo_kl_coef"),
         ({"policy_loss": {"loss_mode": "sapo"}, "tau_neg": 0.0}, None, "actor_rollout_ref.actor.tau_neg"),
-        ({"policy_loss": {"loss_mode": "sapo"}, "use_kl_loss": True}, None, "actor_rollout_ref.actor.loss_agg_mode"),
-        ({"policy_loss": {"loss_mode": "geo_mean"}, "entropy_coeff": 0.01}, None, "actor_rollout_ref.actor.loss_agg_mode"),
         ({"policy_loss": {"loss_mode": "dppo_tv"}, "clip_ratio_c": 0.0}, None, "actor_rollout_ref.actor.clip_ratio_c"),
         # loss_mode=bypass_mode (verl's bypass loss, bypass.py): needs the trainer's bypass, then its block's checks
         ({"policy_loss": {"loss_mode": "bypass_mode"}}, None, "actor_rollout_ref.actor.policy_loss.loss_mode"),
@@ -309,8 +328,8 @@ def test_bypass_mode_loss_maps(rc, loss):
     assert mapped.loss == loss and mapped.bypass is not None and not mapped.rollout_is_weights
     assert mapped.bypass.rollout_is == ("sequence" if rc is None else rc.get("rollout_is", "sequence"))
     if loss == "dro":  # no ratio, no clip: the policy's own log-prob times A·w
-        assert mapped.loss_config == {"aggregation": "token_mean", "kl": {"coef": 0.1, "estimator": "k3"},
-                                      "entropy": {"coef": 0.0}, "beta": 0.0}
+        assert mapped.loss_config == {"aggregation": "token_mean", "kl": {"coef": 0.1, "estimator": "k3", "aggregation":
+                                      "token_mean"}, "entropy": {"coef": 0.0, "aggregation": "token_mean"}, "beta": 0.0}
     floe.compute.losses.resolve_loss(mapped.loss, mapped.loss_config)
 
 

@@ -7,8 +7,9 @@ several ranks (`policy_sharded.ShardedPolicyZone`, one per rank) calls `split_ba
 Why the split leaves the result unchanged:
 * groups are never cut: a group's prompt goes through the model once on one rank (prompt dedup
   still applies within a rank);
-* the loss's aggregation scales are computed here over the WHOLE batch (`batch_scales`, the
-  same function the single-process `PolicyZone` uses) and sent with each share, so every
+* the loss's aggregation scales (one per sample for each term: policy, KL, entropy,
+  `SampleScales`) are computed here over the WHOLE batch (`batch_scales`, the same function
+  the single-process `PolicyZone` uses) and sent with each share, so every
   rank's micro-batch losses are terms of the one global loss; the ranks' gradients are summed
   (FSDP reduce-scatter with divide factor 1), and the metric sums are added here before
   `finalize_metrics`, exactly as the single process adds its micro-batches' sums.
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from floe.compute.losses import LossSpec, aggregation_scales, finalize_metrics
+from floe.compute.losses import LossSpec, SampleScales, finalize_metrics, term_scales
 from floe.types import Batch, ForwardBackwardResult, ForwardResult
 
 __all__ = ["RankPartial", "RankShare", "batch_scales", "merge_forward", "merge_forward_backward", "split_batch"]
@@ -34,14 +35,15 @@ class RankShare:
     """One rank's part of a batch.
 
     `batch`: its groups in batch order (None when it got none); `group_indices[k]`: the
-    position in the full batch of `batch.groups[k]`; `scales`: one aggregation scale per sample
-    of its groups, in order, computed over the whole batch (empty for `forward`); `stats`: for a
+    position in the full batch of `batch.groups[k]`; `scales`: the aggregation scales of each
+    term (policy, KL, entropy) per sample of its groups, in order, computed over the whole batch
+    (empty for `forward`); `stats`: for a
     loss with a batch statistic (clip_cov, kl_cov), its per-token values for each sample of its
     groups, in order, computed over the whole batch (`policy.batch_token_stats`), else None."""
 
     batch: Batch | None
     group_indices: list[int] = field(default_factory=list)
-    scales: list[float] = field(default_factory=list)
+    scales: SampleScales = field(default_factory=lambda: SampleScales([], [], []))
     stats: list[list[float]] | None = None
 
 
@@ -55,12 +57,13 @@ class RankPartial:
     metric_sums: list[dict[str, float]]
 
 
-def batch_scales(batch: Batch, spec: LossSpec) -> list[float]:
-    """The aggregation scale of every sample of `batch` (in group, then sample order) under
-    `spec`: the factor that makes Σ_t w·ℓ of a sample its term in the aggregated loss."""
+def batch_scales(batch: Batch, spec: LossSpec) -> SampleScales:
+    """The aggregation scales of every sample of `batch` (in group, then sample order) under
+    `spec`, one per term (`term_scales`): the factors that make Σ_t w·ℓ, Σ_t w·k and Σ_t w·H of
+    a sample its terms in the aggregated loss."""
     samples = [s for g in batch.groups for s in g.samples]
     weight_sums = [float(sum(s.weights)) if s.weights is not None else float(len(s.tokens)) for s in samples]
-    return aggregation_scales([len(s.tokens) for s in samples], weight_sums, spec.config.aggregation, spec.config.norm_length)
+    return term_scales([len(s.tokens) for s in samples], weight_sums, spec.config)
 
 
 def _group_tokens(batch: Batch, index: int) -> int:
@@ -92,8 +95,9 @@ def split_batch(
     shares = []
     for indices in assigned:
         indices.sort()
-        share_scales = [] if scales is None else [scales[k] for i in indices for k in range(first[i], first[i + 1])]
-        share_stats = None if stats is None else [stats[k] for i in indices for k in range(first[i], first[i + 1])]
+        picked = [k for i in indices for k in range(first[i], first[i + 1])]
+        share_scales = SampleScales([], [], []) if scales is None else scales.pick(picked)
+        share_stats = None if stats is None else [stats[k] for k in picked]
         sub = Batch([batch.groups[i] for i in indices]) if indices else None
         shares.append(RankShare(sub, indices, share_scales, share_stats))
     return shares

@@ -57,7 +57,7 @@ from floe.backend.state import (
 )
 from floe.backend.weights import WeightsSnapshot, fingerprints
 from floe.compute.layout import MicroBatch
-from floe.compute.losses import LossSpec, TokenInputs, batch_statistic, compute_loss, finalize_metrics
+from floe.compute.losses import LossSpec, SampleScales, TokenInputs, batch_statistic, compute_loss, finalize_metrics
 from floe.config import FLOAT16_REFUSED, ComputeConfig, OptimizerConfig
 from floe.devices import device_name
 from floe.errors import InvalidInput, StateError
@@ -125,7 +125,7 @@ def accumulate_microbatches(
     score: ScoreFn,
     batch: Batch,
     plan: list[MicroBatch],
-    scales: list[float],
+    scales: SampleScales,
     spec: LossSpec,
     device: torch.device,
     stats: list[list[float]] | None = None,
@@ -134,8 +134,8 @@ def accumulate_microbatches(
     of `batch` and the micro-batches' metric sums (for `finalize_metrics`).
 
     `score(mb)` gives the micro-batch's log-probs and entropies with autograd (`score_flat`);
-    `scales[k]` is the aggregation scale of the k-th sample of `batch` (`batch_scales`, or the
-    global scales a data-parallel share carries); `stats[k]` the loss's batch statistic for
+    `scales` holds the aggregation scales of each term for every sample of `batch`, in order
+    (`batch_scales`, or the global scales a data-parallel share carries); `stats[k]` the loss's batch statistic for
     each token of that sample (`batch_token_stats` over the whole call; required exactly when
     the loss has one). Gradients add into the parameters' .grad."""
     if (stats is None) != (spec.definition.batch_statistic is None):
@@ -151,7 +151,7 @@ def accumulate_microbatches(
         mb_samples = [(p.group, i) for p in mb.parts for i in p.samples]
         lens = [len(batch.groups[g].samples[i].tokens) for g, i in mb_samples]
         sample_logps = torch.split(logp, lens)
-        mb_scales = [scales[first_of_group[g] + i] for g, i in mb_samples]
+        mb_scales = scales.pick([first_of_group[g] + i for g, i in mb_samples])
         inputs = _token_inputs(batch, mb_samples, mb_scales, logp, entropy, spec, device)
         if stats is not None:
             inputs.batch_stat = torch.tensor([v for g, i in mb_samples for v in stats[first_of_group[g] + i]],
@@ -177,7 +177,8 @@ def batch_token_stats(
     samples = [(g, i) for g, group in enumerate(batch.groups) for i in range(len(group.samples))]
     lens = [len(batch.groups[g].samples[i].tokens) for g, i in samples]
     logp = torch.tensor([v for g, i in samples for v in logprobs[g][i]], dtype=torch.float32, device=device)
-    inputs = _token_inputs(batch, samples, [1.0] * len(samples), logp, torch.zeros_like(logp), spec, device)
+    ones = [1.0] * len(samples)
+    inputs = _token_inputs(batch, samples, SampleScales(ones, ones, ones), logp, torch.zeros_like(logp), spec, device)
     stat = batch_statistic(spec, inputs)
     assert stat is not None
     return [part.tolist() for part in torch.split(stat, lens)]
@@ -504,13 +505,15 @@ class PolicyZone:
 def _token_inputs(
     batch: Batch,
     mb_samples: list[tuple[int, int]],
-    sample_scales: list[float],
+    sample_scales: SampleScales,
     logp: torch.Tensor,
     entropy: torch.Tensor,
     spec: LossSpec,
     device: torch.device,
 ) -> TokenInputs:
-    """Flatten one micro-batch's samples into the tensors `compute_loss` expects."""
+    """Flatten one micro-batch's samples into the tensors `compute_loss` expects (`sample_scales`:
+    one per sample of `mb_samples`, in order; the KL's and entropy's only where they differ from
+    the policy term's)."""
     samples = [batch.groups[g].samples[i] for g, i in mb_samples]
     lens = [len(s.tokens) for s in samples]
 
@@ -521,7 +524,12 @@ def _token_inputs(
         return value if isinstance(value, list) else [float(value)] * n
 
     weights = flat([s.weights if s.weights is not None else [1.0] * n for s, n in zip(samples, lens)])
-    scale = flat([[sc] * n for sc, n in zip(sample_scales, lens)])
+    def per_sample(scales: list[float]) -> torch.Tensor:
+        return flat([[sc] * n for sc, n in zip(scales, lens)])
+
+    scale = per_sample(sample_scales.policy)
+    kl_scale = None if sample_scales.kl == sample_scales.policy else per_sample(sample_scales.kl)
+    entropy_scale = None if sample_scales.entropy == sample_scales.policy else per_sample(sample_scales.entropy)
     index = torch.repeat_interleave(torch.arange(len(samples), device=device), torch.tensor(lens, device=device))
     old = flat([s.logprobs for s in samples]) if all(s.logprobs is not None for s in samples) else None  # type: ignore[misc]
     ref = flat([s.ref_logprobs for s in samples]) if all(s.ref_logprobs is not None for s in samples) else None  # type: ignore[misc]
@@ -538,4 +546,6 @@ def _token_inputs(
         advantages=adv,
         ref_logp=ref,
         entropy=entropy if spec.needs_entropy_grad else entropy.detach(),
+        kl_scale=kl_scale,
+        entropy_scale=entropy_scale,
     )

@@ -37,16 +37,24 @@ LossInput = Literal["old_logprobs", "advantages", "ref_logprobs"]
 
 
 class KLConfig(StrictModel):
-    """KL penalty against the reference log-probs: coef * k per token."""
+    """KL penalty against the reference log-probs: coef * k per token, aggregated by
+    `aggregation` (None: the loss's own `aggregation`)."""
 
     coef: float = Field(0.0, ge=0)
     estimator: KLEstimator = "k3"
+    aggregation: Aggregation | None = Field(
+        None, description="how the KL term is aggregated; None: the loss's aggregation (verl: loss_agg_mode, "
+        "SkyRL: seq_mean_token_mean)"
+    )
 
 
 class EntropyConfig(StrictModel):
-    """Entropy bonus: -coef * H per token."""
+    """Entropy bonus: -coef * H per token, aggregated by `aggregation` (None: the loss's own)."""
 
     coef: float = Field(0.0, ge=0)
+    aggregation: Aggregation | None = Field(
+        None, description="how the entropy term is aggregated; None: the loss's aggregation"
+    )
 
 
 class LossConfig(StrictModel):
@@ -61,9 +69,16 @@ class LossConfig(StrictModel):
 
     @model_validator(mode="after")
     def _norm_length_only_for_sum_norm(self) -> LossConfig:
-        if self.norm_length is not None and self.aggregation != "seq_mean_token_sum_norm":
-            raise ValueError("norm_length is only used by aggregation='seq_mean_token_sum_norm'")
+        if self.norm_length is not None and "seq_mean_token_sum_norm" not in self.term_aggregations():
+            raise ValueError("norm_length is only used by aggregation='seq_mean_token_sum_norm' (of the loss, "
+                             "kl or entropy)")
         return self
+
+    def term_aggregations(self) -> tuple[str, str, str]:
+        """The aggregation of the policy term, the KL term and the entropy term, in that order
+        (a term's None is the loss's `aggregation`)."""
+        return (self.aggregation, self.kl.aggregation or self.aggregation,
+                self.entropy.aggregation or self.aggregation)
 
 
 class CrossEntropyConfig(LossConfig):
@@ -182,7 +197,10 @@ class TokenInputs:
     """Flat per-token tensors for the samples of one micro-batch (concatenated in order).
 
     `sample_index[t]` says which sample (0..num_samples-1 within this micro-batch) token t
-    belongs to; `scale[t]` is the aggregation factor (see `aggregation_scales`); `batch_stat[t]`
+    belongs to; `scale[t]` is the policy term's aggregation factor (see `aggregation_scales`),
+    `kl_scale[t]` and `entropy_scale[t]` those of the KL and entropy terms (None: `scale`; they
+    differ when `kl.aggregation` / `entropy.aggregation` differ from `aggregation`, see
+    `term_scales`); `batch_stat[t]`
     the value of the loss's `batch_statistic` for token t, computed once over the whole call
     (None for losses without one, or when this micro-batch is the whole call: `compute_loss`
     then computes it here).
@@ -198,6 +216,8 @@ class TokenInputs:
     ref_logp: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     batch_stat: torch.Tensor | None = None
+    kl_scale: torch.Tensor | None = None
+    entropy_scale: torch.Tensor | None = None
 
 
 @dataclass
@@ -231,6 +251,42 @@ def aggregation_scales(
         norm = norm_length if norm_length is not None else max(lengths)
         return [1.0 / (n * norm)] * n
     raise InvalidInput("loss_config.aggregation", f"unknown aggregation {aggregation!r}")
+
+
+@dataclass
+class SampleScales:
+    """Per-sample aggregation factors of the three terms of a loss, one value per sample of a
+    forward_backward call (group, then sample order): `policy` for ℓ, `kl` for the KL term,
+    `entropy` for the entropy term. Computed once over the whole call (`term_scales`), then cut
+    with the samples (`pick`) into micro-batches and data-parallel shares, so every part's loss
+    is a term of the one aggregated loss."""
+
+    policy: list[float]
+    kl: list[float]
+    entropy: list[float]
+
+    def pick(self, indices: list[int]) -> SampleScales:
+        """The scales of the samples at `indices`, in that order."""
+        return SampleScales([self.policy[k] for k in indices], [self.kl[k] for k in indices],
+                            [self.entropy[k] for k in indices])
+
+    def __len__(self) -> int:
+        return len(self.policy)
+
+
+def term_scales(lengths: list[int], weight_sums: list[float], config: LossConfig) -> SampleScales:
+    """`aggregation_scales` of each term under its own aggregation (`LossConfig.term_aggregations`;
+    `norm_length` is shared). With the default (KL and entropy aggregated like the policy term)
+    the three lists are equal."""
+    policy, kl, entropy = config.term_aggregations()
+    cache: dict[str, list[float]] = {}
+
+    def scales(aggregation: str) -> list[float]:
+        if aggregation not in cache:
+            cache[aggregation] = aggregation_scales(lengths, weight_sums, aggregation, config.norm_length)
+        return cache[aggregation]
+
+    return SampleScales(scales(policy), scales(kl), scales(entropy))
 
 
 def _clip_ratio(ratio: torch.Tensor, cfg: ClippedConfig) -> torch.Tensor:
@@ -564,7 +620,11 @@ class LossSpec:
         return self.config.entropy.coef > 0
 
     def resolved(self) -> dict[str, Any]:
-        return self.config.model_dump()
+        """The config with every default filled in, the KL's and entropy's aggregation included
+        (a None there is reported as the loss's aggregation, the one that ran)."""
+        out = self.config.model_dump()
+        _, out["kl"]["aggregation"], out["entropy"]["aggregation"] = self.config.term_aggregations()
+        return out
 
 
 def resolve_loss(name: str, config: dict[str, Any] | None) -> LossSpec:
@@ -602,23 +662,24 @@ def per_token_policy_loss(spec: LossSpec, x: TokenInputs) -> TokenLoss:
 def compute_loss(spec: LossSpec, x: TokenInputs) -> tuple[torch.Tensor, dict[str, float]]:
     """Aggregated loss of one micro-batch and the raw sums its metrics are built from.
 
-    The returned loss is Σ_t scale_t · w_t · (ℓ_t + kl_coef·k_t − entropy_coef·H_t); the sums
-    are combined across micro-batches by `finalize_metrics`.
+    The returned loss is Σ_t w_t · (scale_t·ℓ_t + kl_coef·kl_scale_t·k_t − entropy_coef·entropy_scale_t·H_t)
+    (each term under its own aggregation's scale, `TokenInputs`); the sums are combined across
+    micro-batches by `finalize_metrics`.
     """
     import torch  # noqa: PLC0415 - see the note at the top
     cfg = spec.config
     out = per_token_policy_loss(spec, x)
-    loss_tok, clipped, bounded = out.loss, out.clipped, out.bounded
+    clipped, bounded = out.clipped, out.bounded
+    scaled = out.loss * x.scale
     if cfg.kl.coef > 0:
         assert x.ref_logp is not None
         kl, kl_bounded = kl_estimate(x.logp, x.ref_logp, cfg.kl.estimator)
-        loss_tok = loss_tok + cfg.kl.coef * kl
+        scaled = scaled + cfg.kl.coef * kl * (x.scale if x.kl_scale is None else x.kl_scale)
         bounded = bounded | kl_bounded
     if cfg.entropy.coef > 0:
         assert x.entropy is not None
-        loss_tok = loss_tok - cfg.entropy.coef * x.entropy
-    weighted = loss_tok * x.weights
-    loss = (weighted * x.scale).sum()
+        scaled = scaled - cfg.entropy.coef * x.entropy * (x.scale if x.entropy_scale is None else x.entropy_scale)
+    loss = (scaled * x.weights).sum()
 
     with torch.no_grad():
         active = x.weights != 0

@@ -5,8 +5,8 @@ SkyRL side (SkyRL 0.4.0's functions, in the SkyRL environment): the HF model sco
 left-padded `sequences` as SkyRL's model wrapper does (position ids = cumsum(mask) - 1,
 temperature-scaled logits, the last R positions); the advantages are pre-scaled by
 `apply_loss_reduction_to_advantages_minibatch`; the loss is `PolicyLossRegistry`'s function
-plus `compute_approx_kl` + `masked_mean` (KL) or the masked entropy mean, as the worker adds
-them; with `off_policy_correction.*` set, the policy loss function itself applies SkyRL's
+plus `compute_approx_kl` + `masked_mean` (KL) and the masked entropy mean, as the worker adds
+them (KL and entropy together included; clip_cov and kl_cov with the KL); with `off_policy_correction.*` set, the policy loss function itself applies SkyRL's
 correction to the rollout log-probs it is given (every loss that calls it: regular, dual_clip,
 gspo, sapo, cispo, rollout_is, dppo). floe side: the plugin's own `FloeDispatch.forward_backward` on an embedded backend built
 from the same model, whose policy gradients are then compared parameter by parameter.
@@ -55,6 +55,16 @@ CASES = [
     ("clip_cov", "token_mean", {"use_kl_loss": False, "clip_cov.clip_ratio": 0.1, "clip_cov.clip_cov_lb": -5.0,
                                 "clip_cov.clip_cov_ub": 5.0, "clips": True}),
     ("kl_cov", "sequence_mean", {"use_kl_loss": False, "kl_cov.kl_cov_frac": 0.2, "kl_cov.ppo_kl_coef": 0.5}),
+    # with SkyRL's KL loss (its clip_cov / kl_cov recipes): floe's kl.aggregation seq_mean_token_mean
+    ("clip_cov", "token_mean", {"use_kl_loss": True, "kl_loss_coef": 0.2, "clip_cov.clip_ratio": 0.1,
+                                "clip_cov.clip_cov_lb": -5.0, "clip_cov.clip_cov_ub": 5.0, "clips": True}),
+    ("kl_cov", "sequence_mean", {"use_kl_loss": True, "kl_loss_coef": 0.2, "kl_estimator_type": "k1",
+                                 "kl_cov.kl_cov_frac": 0.2, "kl_cov.ppo_kl_coef": 0.5}),
+    # KL and entropy together: the KL by its own aggregation, the entropy in the weights
+    ("regular", "sequence_mean", {"use_kl_loss": True, "kl_loss_coef": 0.2, "use_entropy_loss": True,
+                                  "entropy_loss_coef": 0.05}),
+    ("gspo", "prompt_mean", {"use_kl_loss": True, "kl_loss_coef": 0.1, "kl_estimator_type": "k2",
+                             "use_entropy_loss": True, "entropy_loss_coef": 0.05}),
 ]
 SEED = 2024  # torch's default generator before each side (clip_cov draws the tokens it drops)
 OPC = "off_policy_correction."

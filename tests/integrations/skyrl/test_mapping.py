@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import floe
-from floe.compute.losses import TokenInputs, compute_loss, resolve_loss
+from floe.compute.losses import TokenInputs, compute_loss, resolve_loss, term_scales
 from floe.errors import InvalidInput
 from floe.integrations.skyrl.mapping import (
     OFF_POLICY_LOSSES,
@@ -36,9 +36,9 @@ ALGO = {"policy_loss_type": "regular", "eps_clip_low": 0.2, "eps_clip_high": 0.2
 
 def test_default_grpo_recipe_maps_to_ppo_with_kl() -> None:
     m = map_loss(ALGO)
-    assert m.loss == "ppo" and m.weighting == "kl" and m.temperature == 1.0
+    assert m.loss == "ppo" and m.weighting == "mask" and m.temperature == 1.0
     assert m.loss_config == {"aggregation": "sum", "clip_low": 0.2, "clip_high": 0.28,
-                             "kl": {"coef": 0.001, "estimator": "k3"}}
+                             "kl": {"coef": 0.001, "estimator": "k3", "aggregation": "seq_mean_token_mean"}}
     resolve_loss(m.loss, m.loss_config)  # floe accepts it as is
 
 
@@ -68,11 +68,21 @@ def test_default_grpo_recipe_maps_to_ppo_with_kl() -> None:
      "cispo", {"clip_low": 1.0, "clip_high": 4.0}),
     ({"policy_loss_type": "importance_sampling"}, "importance_sampling", {}),
     ({"use_kl_loss": False, "use_entropy_loss": True, "entropy_loss_coef": 0.02}, "ppo", {"entropy": {"coef": 0.02}}),
-    ({"kl_estimator_type": "k1", "kl_loss_coef": 0.5}, "ppo", {"kl": {"coef": 0.5, "estimator": "k1"}}),
+    ({"kl_estimator_type": "k1", "kl_loss_coef": 0.5}, "ppo",
+     {"kl": {"coef": 0.5, "estimator": "k1", "aggregation": "seq_mean_token_mean"}}),
+    # KL and entropy together: the KL by its own aggregation, the entropy in the weights
+    ({"use_entropy_loss": True, "entropy_loss_coef": 0.02}, "ppo",
+     {"entropy": {"coef": 0.02}, "kl": {"coef": 0.001, "estimator": "k3", "aggregation": "seq_mean_token_mean"}}),
+    # clip_cov / kl_cov with SkyRL's KL loss (its recipes): plain mask weights, the KL's own aggregation
+    ({"policy_loss_type": "clip_cov"}, "clip_cov",
+     {"clip_cov_ratio": 0.0002, "kl": {"coef": 0.001, "estimator": "k3", "aggregation": "seq_mean_token_mean"}}),
+    ({"policy_loss_type": "kl_cov", "kl_loss_coef": 0.01}, "kl_cov",
+     {"kl_cov_ratio": 0.2, "kl": {"coef": 0.01, "estimator": "k3", "aggregation": "seq_mean_token_mean"}}),
 ])
 def test_each_loss_key_maps(extra: dict, loss: str, expect: dict) -> None:
     m = map_loss({**ALGO, **extra})
     assert m.loss == loss
+    assert m.weighting == ("entropy" if extra.get("use_entropy_loss") else "mask")
     for key, value in expect.items():
         assert m.loss_config[key] == value
     resolve_loss(m.loss, m.loss_config)
@@ -105,7 +115,7 @@ def test_cross_entropy_is_a_plain_masked_sum() -> None:
     ({"policy_loss_type": "sapo", "sapo": {"tau_neg": 0.0}}, "trainer.algorithm.sapo.tau_neg"),
     ({"policy_loss_type": "dppo", "dppo": {"dppo_type": "topk_tv"}}, "trainer.algorithm.dppo.dppo_type"),
     ({"policy_loss_type": "dppo", "dppo": {"delta_low": -0.1}}, "trainer.algorithm.dppo.delta_low"),
-    ({"policy_loss_type": "clip_cov"}, "trainer.algorithm.use_kl_loss"),
+    ({"policy_loss_type": "clip_cov", "use_entropy_loss": True}, "trainer.algorithm.use_entropy_loss"),
     ({"policy_loss_type": "kl_cov", "use_kl_loss": False, "use_entropy_loss": True}, "trainer.algorithm.use_entropy_loss"),
     ({"policy_loss_type": "clip_cov", "use_kl_loss": False, "clip_cov": {"clip_ratio": 0.0}},
      "trainer.algorithm.clip_cov.clip_ratio"),
@@ -113,7 +123,6 @@ def test_cross_entropy_is_a_plain_masked_sum() -> None:
     ({"kl_estimator_type": "abs"}, "trainer.algorithm.kl_estimator_type"),
     ({"enable_sample_support_replay": True}, "trainer.algorithm.enable_sample_support_replay"),
     ({"policy_loss_type": "cispo", "cispo": {"cispo_anchor": "sampler"}}, "trainer.algorithm.cispo.cispo_anchor"),
-    ({"use_entropy_loss": True}, "trainer.algorithm.use_entropy_loss"),
     ({"advantage_estimator": "gae"}, "trainer.algorithm.advantage_estimator"),
     ({"temperature": None}, "trainer.algorithm.temperature"),
     ({"policy_loss_type": "dual_clip", "clip_ratio_c": 1.0}, "trainer.algorithm.clip_ratio_c"),
@@ -337,8 +346,11 @@ def skyrl_loss(logp, old, adv_pre, mask, ref, ent, clip, kl_coef, ent_coef, micr
 
 
 @pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean"])
-@pytest.mark.parametrize("term", ["kl", "entropy", "mask"])
+@pytest.mark.parametrize("term", ["kl", "entropy", "mask", "kl+entropy"])
 def test_floe_weights_reproduce_skyrl_loss_and_gradient(reduction: str, term: str) -> None:
+    """floe's loss as the policy zone computes it (each term's scales from `term_scales` over the
+    mini-batch: the KL by seq_mean_token_mean, the rest summed) on the plugin's weights and
+    advantages vs SkyRL's transcribed worker loss; KL and entropy together included."""
     g = torch.Generator().manual_seed(hash((reduction, term)) % 2**31)
     rows, width, micro = 6, 7, 4  # micro-batches of 4 and 2 rows: unequal, as in SkyRL
     lengths = [7, 3, 5, 1, 6, 4]
@@ -353,32 +365,39 @@ def test_floe_weights_reproduce_skyrl_loss_and_gradient(reduction: str, term: st
     adv = (torch.randn(rows, 1, generator=g, dtype=torch.float64)).expand(rows, width).clone()
     adv_pre = skyrl_prescale(adv, mask, reduction, max_seq_len=9, prompts=[(0, 2), (2, 4), (4, 6)])
     clip = (0.2, 0.28)
-    kl_coef = 0.05 if term == "kl" else 0.0
-    ent_coef = 0.03 if term == "entropy" else 0.0
+    kl_coef = 0.05 if "kl" in term else 0.0
+    ent_coef = 0.03 if "entropy" in term else 0.0
 
     logp_a, ent_a = logp0.clone().requires_grad_(), ent0.clone().requires_grad_()
     expected = skyrl_loss(logp_a, old, adv_pre, mask, ref, ent_a, clip, kl_coef, ent_coef, micro)
     expected.backward()
 
-    algo = {**ALGO, "eps_clip_low": clip[0], "eps_clip_high": clip[1], "use_kl_loss": term == "kl",
-            "kl_loss_coef": kl_coef, "use_entropy_loss": term == "entropy", "entropy_loss_coef": ent_coef}
+    algo = {**ALGO, "eps_clip_low": clip[0], "eps_clip_high": clip[1], "use_kl_loss": "kl" in term,
+            "kl_loss_coef": kl_coef, "use_entropy_loss": "entropy" in term, "entropy_loss_coef": ent_coef}
     m = map_loss(algo)
-    assert m.weighting == term
+    assert m.weighting == ("entropy" if "entropy" in term else "mask")
     w = token_weights(mask, m.weighting, micro)
     a = floe_advantages(adv_pre, mask, w)
 
     def flat(t: torch.Tensor) -> torch.Tensor:  # floe's view: each row's response tokens, concatenated
         return torch.cat([t[i, width - n :] for i, n in enumerate(lengths)])
 
+    spec = resolve_loss(m.loss, m.loss_config)
+    scales = term_scales(lengths, [float(w[i].sum()) for i in range(rows)], spec.config)
+
+    def per_token(values: list[float]) -> torch.Tensor:
+        return torch.cat([torch.full((n,), v, dtype=torch.float64) for v, n in zip(values, lengths)])
+
     logp_b, ent_b = logp0.clone().requires_grad_(), ent0.clone().requires_grad_()
     x = TokenInputs(
-        logp=flat(logp_b), weights=flat(w), scale=torch.ones(sum(lengths), dtype=torch.float64),
+        logp=flat(logp_b), weights=flat(w), scale=per_token(scales.policy), kl_scale=per_token(scales.kl),
+        entropy_scale=per_token(scales.entropy),
         sample_index=torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]), num_samples=rows,
         old_logp=flat(old), advantages=flat(a), ref_logp=flat(ref), entropy=flat(ent_b),
     )
-    got, _ = compute_loss(resolve_loss(m.loss, m.loss_config), x)
+    got, _ = compute_loss(spec, x)
     got.backward()
     assert math.isclose(float(got.detach()), float(expected.detach()), rel_tol=1e-9, abs_tol=1e-12)
     assert torch.allclose(logp_b.grad, logp_a.grad, atol=1e-12)  # both 0 off the loss mask
-    if term == "entropy":
+    if "entropy" in term:
         assert ent_b.grad is not None and torch.allclose(ent_b.grad, ent_a.grad, atol=1e-12)

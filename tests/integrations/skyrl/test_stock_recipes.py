@@ -20,14 +20,9 @@ STEPS = 2
 MAX_SEQ_LEN = 192 + 16  # recipe_args' max_prompt_length + max_generate_length
 
 
-# Recipes refused before training, by the key and why (docs/integrations.md's table): SkyRL's KL
-# term is a per-sequence token mean while its policy term is summed over pre-scaled advantages;
-# the plugin reproduces both through per-token weights and re-weighted advantages, which clip_cov's
-# and kl_cov's covariance selection would see (a separate aggregation for the KL term is missing).
-REFUSED = {
-    "clip_cov": "trainer.algorithm.use_kl_loss: clip_cov with a KL or entropy term is not supported",
-    "kl_cov": "trainer.algorithm.use_kl_loss: kl_cov with a KL or entropy term is not supported",
-}
+# Recipes refused before training, by the key and why (docs/integrations.md's table). None now:
+# clip_cov's and kl_cov's recipes (with SkyRL's KL loss) run with floe's kl.aggregation.
+REFUSED: dict[str, str] = {}
 
 
 # Recipes that train a LoRA adapter: the backend's settings line names it.

@@ -125,6 +125,17 @@ CASES = [
     {"policy_loss": {"loss_mode": "geo_mean"}, "loss_agg_mode": "seq-mean-token-mean", "clip_ratio_low": 0.05,
      "clip_ratio_high": 0.08, "use_kl_loss": True, "kl_loss_coef": 0.1},
     {"policy_loss": {"loss_mode": "geo_mean"}, "loss_agg_mode": "token-mean", "clip_ratio_low": 0.05, "clip_ratio_high": 0.08},
+    # sapo / geo_mean: the policy term by sequence mean, KL and entropy by loss_agg_mode (floe's
+    # kl.aggregation / entropy.aggregation); the gmpo recipe's combination (token-mean, k3 KL) first.
+    {"policy_loss": {"loss_mode": "geo_mean"}, "loss_agg_mode": "token-mean", "clip_ratio_low": 0.05,
+     "clip_ratio_high": 0.08, "use_kl_loss": True, "kl_loss_coef": 0.3, "kl_loss_type": "low_var_kl"},
+    {"policy_loss": {"loss_mode": "geo_mean"}, "loss_agg_mode": "seq-mean-token-sum-norm", "loss_scale_factor": 4,
+     "clip_ratio_low": 0.05, "clip_ratio_high": 0.08, "use_kl_loss": True, "kl_loss_coef": 0.2, "kl_loss_type": "mse",
+     "entropy_coeff": 0.05},
+    {"policy_loss": {"loss_mode": "sapo"}, "loss_agg_mode": "token-sum", "tau_pos": 1.0, "tau_neg": 1.05,
+     "use_kl_loss": True, "kl_loss_coef": 0.1, "kl_loss_type": "k1", "entropy_coeff": 0.02},
+    {"policy_loss": {"loss_mode": "sapo"}, "loss_agg_mode": "token-mean", "tau_pos": 2.0, "tau_neg": 3.0,
+     "entropy_coeff": 0.05},
     {"policy_loss": {"loss_mode": "dro", "dro_beta": 0.3}, "loss_agg_mode": "token-mean"},
     {"policy_loss": {"loss_mode": "cispo"}, "loss_agg_mode": "token-mean", "clip_ratio_low": 0.1, "clip_ratio_high": 0.15},
 ]

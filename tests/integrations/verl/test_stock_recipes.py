@@ -32,9 +32,6 @@ REFUSED = {
     # verl 0.9.1's V1 trainer, which trainer_mode=floe builds on, has no REMAX greedy baseline:
     # without floe it fails inside verl (compute_remax_outcome_advantage without reward_baselines).
     "remax": "algorithm.adv_estimator: remax needs a greedy baseline rollout",
-    # verl aggregates geo_mean's policy term by sequence mean but its KL term by loss_agg_mode
-    # (token-mean here); a floe loss has one aggregation for all its terms.
-    "gmpo": "actor_rollout_ref.actor.loss_agg_mode: verl's geo_mean aggregates its policy term by sequence mean",
 }
 
 

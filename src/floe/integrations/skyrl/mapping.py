@@ -9,13 +9,18 @@ nothing is dropped silently. A key that SkyRL's own trainer code applies before 
 How SkyRL's reductions are honoured exactly. SkyRL 0.4.0 applies ``loss_reduction`` by
 pre-scaling the advantages of each mini-batch (``apply_loss_reduction_to_advantages_minibatch``)
 and then *sums* the masked per-token policy loss; its KL term is the per-sequence token mean
-averaged over the mini-batch, and its entropy term the token mean of each micro-batch weighted
-by the micro-batch's share of sequences. floe's loss is Σ_t w_t·(ℓ_t + kl_coef·k_t − ent_coef·H_t)
-with ``aggregation = "sum"``. Every floe policy loss is positively homogeneous in the advantage
-(ℓ(c·A) = c·ℓ(A) for c > 0), so giving token t the weight ω_t the KL (or entropy) term needs and
-the advantage A_t·m_t/ω_t reproduces SkyRL's policy term, KL term and entropy term at once
-(``token_weights`` / ``floe_advantages``). Only KL *and* entropy together need two different
-weights; that combination is refused.
+averaged over the mini-batch (``masked_mean(kl, loss_mask, dim=-1).mean()`` per micro-batch,
+times the micro-batch's share of rows), and its entropy term the token mean of each micro-batch
+weighted by the micro-batch's share of rows (worker.py ``_forward_backward_micro``). floe's loss
+is the policy term with ``aggregation = "sum"`` + kl_coef·(KL with ``kl.aggregation =
+"seq_mean_token_mean"``) − ent_coef·(entropy, summed). The KL term needs nothing else: its
+per-sequence token mean over the mini-batch is floe's seq_mean_token_mean exactly. SkyRL's
+entropy term is not a floe aggregation (its denominators are SkyRL's micro-batches), so it
+travels in the weights: token t gets the weight ω_t it needs and the advantage A_t·m_t/ω_t
+(``token_weights`` / ``floe_advantages``). That reproduces the policy term because every floe
+policy loss but clip_cov and kl_cov is positively homogeneous in the advantage (ℓ(c·A) = c·ℓ(A)
+for c > 0), and leaves the KL term unchanged because ω is m times one factor per row, which a
+per-sequence token mean cancels.
 
 Policy losses (SkyRL ``policy_loss_type`` -> floe loss; every key of each is mapped):
 
@@ -32,8 +37,8 @@ Policy losses (SkyRL ``policy_loss_type`` -> floe loss; every key of each is map
 | importance_sampling, cross_entropy      | the same-named floe losses |
 
 clip_cov and kl_cov are not homogeneous in the advantage (the covariance bounds are absolute;
-kl_cov's |log r| term is not multiplied by it), so they need the plain mask weighting: they are
-refused with use_kl_loss or use_entropy_loss. SkyRL computes their covariance and token count
+kl_cov's |log r| term is not multiplied by it), so they need the plain mask weighting: they run
+with use_kl_loss (its own aggregation, above) and are refused with use_entropy_loss. SkyRL computes their covariance and token count
 per micro-batch (trainer.micro_train_batch_size_per_gpu rows), floe over the whole mini-batch
 (one forward_backward): the same when one micro-batch holds the GPU's whole mini-batch
 (micro_train_batch_size_per_gpu >= policy_mini_batch_size · n_samples_per_prompt / GPUs).
@@ -68,7 +73,7 @@ from floe.integrations.stand_in import stand_in_optimizer
 
 SKYRL_VERSION = "0.4.0"
 
-Weighting = Literal["mask", "kl", "entropy"]
+Weighting = Literal["mask", "entropy"]
 # Which log-probs the samples carry as `Sample.logprobs`: SkyRL's old ones (action_log_probs),
 # the rollout's (rollout_logprobs), or the rollout's when the batch has them, else the old.
 Behaviour = Literal["old", "rollout", "rollout_or_old"]
@@ -225,27 +230,22 @@ def map_loss(
     use_kl = bool(algorithm.get("use_kl_loss", True))
     use_entropy = bool(algorithm.get("use_entropy_loss", False))
     weighting: Weighting = "mask"
-    if loss == "cross_entropy":
-        pass  # SkyRL's SFT branch adds neither KL nor entropy: a plain masked sum.
-    elif use_kl and use_entropy:
-        raise InvalidInput(_key("use_entropy_loss"), "entropy bonus together with use_kl_loss is not supported by floe's SkyRL plugin")
-    elif use_kl:
-        estimator = algorithm.get("kl_estimator_type", "k3")
-        if estimator not in KL_ESTIMATORS:
-            raise InvalidInput(_key("kl_estimator_type"), f"{estimator!r} is not a floe KL estimator ({', '.join(KL_ESTIMATORS)})")
-        cfg["kl"] = {"coef": _non_negative(algorithm.get("kl_loss_coef", 0.001), "kl_loss_coef"), "estimator": estimator}
-        weighting = "kl"
-    elif use_entropy:
-        if max_tokens_per_microbatch > 0:
-            raise InvalidInput("trainer.max_tokens_per_microbatch", "entropy loss with token-packed micro-batches is not supported by floe")
-        cfg["entropy"] = {"coef": _non_negative(algorithm.get("entropy_loss_coef", 0.01), "entropy_loss_coef")}
-        weighting = "entropy"
-
-    if kind in ("clip_cov", "kl_cov") and weighting != "mask":
-        name = "use_kl_loss" if weighting == "kl" else "use_entropy_loss"
-        raise InvalidInput(_key(name), f"{kind} with a KL or entropy term is not supported by floe's SkyRL plugin: its "
-                           "covariance selection (and kl_cov's |log r| term) would see the re-weighted advantages; "
-                           f"set {name}=false")
+    if loss != "cross_entropy":  # SkyRL's SFT branch adds neither KL nor entropy: a plain masked sum.
+        if use_kl:  # masked_mean(kl, loss_mask, dim=-1).mean(): the per-sequence token mean over the mini-batch
+            estimator = algorithm.get("kl_estimator_type", "k3")
+            if estimator not in KL_ESTIMATORS:
+                raise InvalidInput(_key("kl_estimator_type"), f"{estimator!r} is not a floe KL estimator ({', '.join(KL_ESTIMATORS)})")
+            cfg["kl"] = {"coef": _non_negative(algorithm.get("kl_loss_coef", 0.001), "kl_loss_coef"), "estimator": estimator,
+                         "aggregation": "seq_mean_token_mean"}
+        if use_entropy:
+            if max_tokens_per_microbatch > 0:
+                raise InvalidInput("trainer.max_tokens_per_microbatch", "entropy loss with token-packed micro-batches is not supported by floe")
+            if kind in ("clip_cov", "kl_cov"):
+                raise InvalidInput(_key("use_entropy_loss"), f"{kind} with an entropy term is not supported by floe's SkyRL "
+                                   "plugin: SkyRL's per-micro-batch entropy mean travels in re-weighted advantages, which "
+                                   f"{kind}'s covariance selection (and kl_cov's |log r| term) would see; set use_entropy_loss=false")
+            cfg["entropy"] = {"coef": _non_negative(algorithm.get("entropy_loss_coef", 0.01), "entropy_loss_coef")}
+            weighting = "entropy"
 
     temperature = algorithm.get("temperature")
     if temperature is None or not float(temperature) > 0:
@@ -488,18 +488,14 @@ def map_sampling(params: Mapping[str, Any]) -> dict[str, Any]:
 def token_weights(loss_mask: torch.Tensor, weighting: Weighting, micro_batch_size: int | None = None) -> torch.Tensor:
     """floe per-token weights ω [B, R] for one SkyRL mini-batch of B rows (see the module doc).
 
-    mask: ω = m. kl: ω = m / (B·n_i), n_i = Σ_t m of row i (SkyRL's per-sequence token mean of
-    the KL, averaged over the mini-batch). entropy: ω = m · (b_j / B) / Σ_{micro-batch j} m, with
-    SkyRL's consecutive micro-batches of `micro_batch_size` rows (b_j rows in micro-batch j).
-    Rows without loss tokens get ω = 0.
+    mask: ω = m. entropy: ω = m · (b_j / B) / Σ_{micro-batch j} m, with SkyRL's consecutive
+    micro-batches of `micro_batch_size` rows (b_j rows in micro-batch j). Rows without loss
+    tokens get ω = 0. (The KL term needs no weights: floe's kl.aggregation seq_mean_token_mean.)
     """
     m = loss_mask.to(torch.float64)
     rows = m.shape[0]
     if weighting == "mask":
         return m
-    if weighting == "kl":
-        per_row = m.sum(dim=1, keepdim=True)
-        return torch.where(per_row > 0, m / (rows * per_row.clamp_min(1e-300)), torch.zeros_like(m))
     if micro_batch_size is None or micro_batch_size < 1:
         raise InvalidInput("trainer.micro_train_batch_size_per_gpu", "must be >= 1 for the entropy loss")
     out = torch.zeros_like(m)

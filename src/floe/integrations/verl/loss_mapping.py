@@ -12,11 +12,11 @@ mapped or refused with floe.errors.InvalidInput naming verl's key (e.g.
 | vanilla (compute_policy_loss_vanilla) | ppo: clip_low/high = clip_ratio_low/high, dual_clip = clip_ratio_c |
 | dppo_tv / dppo_kl (…_dppo_tv / _kl)   | dppo: divergence binary_tv / binary_kl, delta_low/high = clip_ratio_low/high, surrogate log_prob, ratio_cap = clip_ratio_c |
 | gspo (…_gspo)                         | gspo: ratio_gradient token, log_ratio_cap 10, clip_low/high = clip_ratio_low/high |
-| sapo (…_sapo)                         | sapo: tau_pos, tau_neg; aggregation seq_mean_token_mean whatever loss_agg_mode (verl's own choice) |
+| sapo (…_sapo)                         | sapo: tau_pos, tau_neg; aggregation seq_mean_token_mean whatever loss_agg_mode (verl's own choice); kl / entropy aggregation = loss_agg_mode |
 | gpg (…_gpg)                           | dro with beta 0 (−A·logp) |
 | clip_cov (…_clip_cov)                 | clip_cov: clip_low/high, clip_cov_ratio, clip_cov_lb, clip_cov_ub |
 | kl_cov (…_kl_cov)                     | kl_cov: kl_cov_ratio, ppo_kl_coef |
-| geo_mean (…_geo_mean)                 | geo_mean: clip_low/high = clip_ratio_low/high; aggregation seq_mean_token_mean (verl: mean over the micro-batch's rows) |
+| geo_mean (…_geo_mean)                 | geo_mean: clip_low/high = clip_ratio_low/high; aggregation seq_mean_token_mean (verl: mean over the micro-batch's rows); kl / entropy aggregation = loss_agg_mode |
 | dro (…_dro)                           | dro: beta = dro_beta (> 0) |
 | cispo (…_cispo)                       | cispo: clip_low/high = clip_ratio_low/high |
 | bypass_mode (…_bypass_mode)           | policy_loss.rollout_correction: loss_type ppo_clip → ppo (dual clip), reinforce → dro beta 0; verl's IS weights and rejection from the current policy per mini-batch folded into A (bypass.py); needs algorithm.rollout_correction.bypass_mode=true |
@@ -25,7 +25,7 @@ mapped or refused with floe.errors.InvalidInput naming verl's key (e.g.
 |-----------------------------------------------|------------------------------------------------|
 | clip_ratio_low / clip_ratio_high (clip_ratio) | clip_low / clip_high (dppo: delta_low / delta_high) |
 | clip_ratio_c                                  | dual_clip (vanilla, bypass_mode ppo_clip), ratio_cap (dppo) |
-| loss_agg_mode token-mean / token-sum          | aggregation token_mean / sum                   |
+| loss_agg_mode token-mean / token-sum          | aggregation token_mean / sum (and kl.aggregation, entropy.aggregation) |
 | loss_agg_mode seq-mean-token-mean             | aggregation seq_mean_token_mean                |
 | loss_agg_mode seq-mean-token-sum              | seq_mean_token_sum_norm, norm_length 1         |
 | loss_agg_mode seq-mean-token-sum-norm         | seq_mean_token_sum_norm, norm_length = loss_scale_factor (None: longest response of the mini-batch) |
@@ -37,9 +37,11 @@ mapped or refused with floe.errors.InvalidInput naming verl's key (e.g.
 | algorithm.rollout_correction.*                | A·w_is and response_mask (`rollout_correction`) |
 | policy_loss.rollout_correction.* (bypass_mode) | A·m'·w (`bypass_loss_correction`, bypass.py) |
 
-sapo and geo_mean fix their policy term's aggregation, while verl aggregates the KL and entropy
-terms by loss_agg_mode; floe has one aggregation per loss, so with a KL or entropy term those two
-need loss_agg_mode = seq-mean-token-mean (else refused).
+sapo and geo_mean fix their policy term's aggregation (seq-mean-token-mean, geo_mean's mean over
+rows), while verl aggregates the KL and entropy terms by loss_agg_mode for every loss_mode
+(workers/utils/losses.ppo_loss: agg_loss(kld / entropy, response_mask, loss_agg_mode)): floe's
+`aggregation` is the policy term's, `kl.aggregation` and `entropy.aggregation` are loss_agg_mode's
+(norm_length, from loss_scale_factor, serves whichever term uses seq_mean_token_sum_norm).
 
 Batch statistics and verl's micro-batches. verl computes each loss per micro-batch of its
 mini-batch (ppo_micro_batch_size_per_gpu, or use_dynamic_bsz's token budget); the plugin makes
@@ -230,22 +232,17 @@ def verl_loss(actor: Mapping[str, Any], algorithm: Mapping[str, Any] | None = No
                            f"plugin: {IS_FOLD_REFUSED[mode]}, so the weights cannot be folded into the advantages "
                            "exactly; set rollout_is=null (rejection, rollout_rs, works with every loss_mode)")
 
-    if mode in ("sapo", "geo_mean"):
-        # verl aggregates these policy terms by seq-mean-token-mean (sapo) / the mean over rows
-        # (geo_mean) whatever loss_agg_mode says, but its KL and entropy terms by loss_agg_mode.
-        if (kl_coef > 0 or entropy_coef > 0) and agg_mode != "seq-mean-token-mean":
-            raise InvalidInput(f"{ACTOR}.loss_agg_mode",
-                               f"verl's {mode} aggregates its policy term by sequence mean and the KL / entropy terms by "
-                               f"loss_agg_mode ({agg_mode!r}); floe has one aggregation per loss: set loss_agg_mode="
-                               "seq-mean-token-mean, or turn off use_kl_loss and entropy_coeff")
-        aggregation, norm_length = "seq_mean_token_mean", None
+    # verl's KL and entropy terms are agg_loss(..., loss_agg_mode) for every loss_mode (workers/utils/
+    # losses.ppo_loss); so is the policy term except sapo's (seq-mean-token-mean) and geo_mean's (the
+    # mean over rows) whatever loss_agg_mode says: floe's kl.aggregation / entropy.aggregation.
+    policy_aggregation = "seq_mean_token_mean" if mode in ("sapo", "geo_mean") else aggregation
 
     name, specific = _policy_loss(mode, actor, policy_loss, clip_low, clip_high, clip_c, bypass)
     config: dict[str, Any] = {
         **specific,
-        "aggregation": aggregation,
-        "kl": {"coef": kl_coef, "estimator": kl_estimator},
-        "entropy": {"coef": entropy_coef},
+        "aggregation": policy_aggregation,
+        "kl": {"coef": kl_coef, "estimator": kl_estimator, "aggregation": aggregation},
+        "entropy": {"coef": entropy_coef, "aggregation": aggregation},
     }
     if norm_length is not None:
         config["norm_length"] = norm_length
