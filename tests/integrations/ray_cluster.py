@@ -7,7 +7,7 @@ their own (about 12 s of start-up and 2 s of shutdown per run on this 2-core mac
 is still its own Ray job: its workers, actors and placement groups end with its driver.
 
 The cluster is started with the environment the runs would give their own cluster (its workers
-inherit it, as they inherit a driver's when the driver starts the cluster), on loopback only,
+inherit it, as they inherit a driver's when the driver starts the cluster), on this node only,
 with `--block`, so that terminating that one process stops every process of the cluster and no
 other Ray cluster on the machine; and with a temp dir of its own, because `ray start` records
 its address in the temp dir's `ray_current_cluster`, where any other plain `ray.init()` on the
@@ -41,12 +41,15 @@ def ray_cluster(env: dict[str, str], log_path: Path, num_cpus: int | None = None
     address = f"127.0.0.1:{free_port()}"
     temp_dir = tempfile.mkdtemp(prefix="floe-ray-")  # short: Ray's unix sockets live under it (108-byte paths)
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--disable-usage-stats",
-           "--node-ip-address=127.0.0.1", f"--port={address.split(':')[1]}", "--include-dashboard=false",
+           f"--port={address.split(':')[1]}", "--include-dashboard=false",
            f"--temp-dir={temp_dir}"]
     if num_cpus is not None:
         cmd.append(f"--num-cpus={num_cpus}")
     with open(log_path, "wb") as log:
-        head = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        # RAY_AUTH_MODE=disabled: `ray start` (Ray >= 2.60) turns on token authentication, which the
+        # runs' drivers (and the clusters their own `ray.init` starts) do not use
+        head = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**env, "RAY_AUTH_MODE": "disabled"},
+                                start_new_session=True)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while "Ray runtime started" not in log_path.read_text(errors="replace"):
