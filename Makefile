@@ -11,8 +11,11 @@ setup:
 train: setup
 	ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2 .venv/bin/floe train recipes/reverse_text.toml
 
+# Two pytest-xdist workers, one test file each at a time (module fixtures built once): the
+# suite's own process uses about one core (subprocess and server start-ups, waits), so the
+# second core is used; README "## Tests" has the numbers.
 test: setup
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile
 
 lint: setup
 	.venv/bin/ruff check src tests benchmarks docs/examples

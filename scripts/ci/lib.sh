@@ -54,10 +54,15 @@ PYEOF
 
 # install_floe EXTRAS: exits here under FLOE_CI_BUILD_ONLY; otherwise floe from this checkout
 # (editable) with the given extras, torch kept at its pin, and a check that torch is still it.
+# One install at a time (a lock beside the environments): an editable install writes the
+# checkout's src/floe.egg-info, and .ci/run runs two suites side by side.
 install_floe() {
   if [ -n "${FLOE_CI_BUILD_ONLY:-}" ]; then exit 0; fi
-  "$VENV/bin/pip" install --quiet --no-deps -e .
-  "$VENV/bin/pip" install --quiet -e ".[$1]" "$TORCH_PIN"
+  (
+    flock 9
+    "$VENV/bin/pip" install --quiet --no-deps -e .
+    "$VENV/bin/pip" install --quiet -e ".[$1]" "$TORCH_PIN"
+  ) 9> "$(dirname "$VENV")/.install-floe.lock"
   "$VENV/bin/python" -c "import sys, torch; torch.__version__.startswith('2.13.0') or sys.exit(
     f'$STACK.sh: torch {torch.__version__}, expected 2.13.0 (CPU build)')"
 }

@@ -181,13 +181,18 @@ def test_concurrent_callers_do_not_eat_each_others_time(company_task) -> None:
     from floe.envs.sql_sandbox import SqlRunner
 
     runner = SqlRunner(workers=1)
-    # About 0.3 s of work each; four callers on one worker take ~1.2 s in all, longer than any
-    # single call may wait (1 s). Each call's clock must start when its query starts.
+    # About 0.3 s of work each (timed here, on the started worker: a loaded machine is slower);
+    # four callers on one worker take 4x that in all, longer than any single call may wait (3x).
+    # Each call's clock must start when its query starts.
     slow = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c WHERE x < 600000) SELECT count(*) FROM c"
     try:
+        runner.run(company_task.data["db_path"], "SELECT 1", 5, 10)  # the worker process starts
+        began = time.monotonic()
+        assert runner.run(company_task.data["db_path"], slow, 5, 10).status == OK
+        wait_s = max(1.0, 3 * (time.monotonic() - began))
         with ThreadPoolExecutor(4) as threads:
             results = list(
-                threads.map(lambda _: runner.run(company_task.data["db_path"], slow, 5, 10, wait_s=1.0), range(4))
+                threads.map(lambda _: runner.run(company_task.data["db_path"], slow, 5, 10, wait_s=wait_s), range(4))
             )
     finally:
         runner.close()

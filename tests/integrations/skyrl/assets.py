@@ -2,13 +2,25 @@
 
 `make_parquet` writes rows in SkyRL's dataset format (chat `prompt`, `env_class`,
 `reward_spec.ground_truth`, `data_source`, `extra_info`) for generated two-number sums;
-`skyrl_rates` is the learning rate of each optimizer step as SkyRL's own scheduler gives it.
+`skyrl_rates` is the learning rate of each optimizer step as SkyRL's own scheduler gives it;
+`run_env` is the environment of every SkyRL run (and of the suite's shared Ray cluster).
 """
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def run_env() -> dict[str, str]:
+    """A SkyRL run's environment: this one, with the checkout importable (`tests.integrations...`
+    modules named in the recipes), no GPU, no W&B, Ray's logs not deduplicated. The suite's Ray
+    cluster (conftest.py) has it too: its workers inherit it, as from a driver that starts Ray."""
+    return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            "CUDA_VISIBLE_DEVICES": "", "WANDB_MODE": "disabled", "RAY_DEDUP_LOGS": "0"}
 
 
 def make_parquet(path: Path, rows: int, seed: int, env_class: str = "gsm8k_shaped") -> Path:

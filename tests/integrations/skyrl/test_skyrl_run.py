@@ -19,7 +19,6 @@ Runs only in the SkyRL environment (scripts/ci/skyrl.sh, marker `skyrl`).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,12 +27,11 @@ import pytest
 from transformers import AutoConfig
 
 from floe.compute.flops import TransformerShape, training_flops
-from tests.integrations.skyrl.assets import skyrl_rates
+from tests.integrations.skyrl.assets import REPO, run_env, skyrl_rates
 from tests.server.conftest import ServerProcess, free_port, write_config
 
 pytestmark = pytest.mark.skyrl
 
-REPO = Path(__file__).resolve().parents[3]
 STEPS = 3
 TRAIN_BATCH, MINI_BATCH, N_SAMPLES = 4, 2, 2
 RUN_TIMEOUT_S = 900
@@ -72,9 +70,8 @@ def run_skyrl(assets: dict[str, Path], out: Path, *extra: str, args: list[str] |
     cmd = [sys.executable, "-m", "skyrl.train.entrypoints.main_base",
            "trainer.override_entrypoint=floe.integrations.skyrl.entrypoint",
            *(recipe_args(assets, out) if args is None else args), *extra]
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "CUDA_VISIBLE_DEVICES": "", "WANDB_MODE": "disabled", "RAY_DEDUP_LOGS": "0"}
-    proc = subprocess.run(["timeout", str(timeout_s), *cmd], check=False, cwd=REPO, env=env, capture_output=True, text=True)
+    proc = subprocess.run(["timeout", str(timeout_s), *cmd], check=False, cwd=REPO, env=run_env(), capture_output=True,
+                          text=True)
     out.mkdir(parents=True, exist_ok=True)
     (out / "run.log").write_text(proc.stdout + proc.stderr)
     return proc

@@ -19,6 +19,11 @@ FLOE_SWITCH = ["trainer.v1.trainer_mode=floe", "actor_rollout_ref.rollout.name=f
 # engine then (verl's environment has no vLLM: the test runs name floe's torch engine instead).
 VLLM_RECIPE_SWITCH = ["trainer.v1.trainer_mode=floe", "actor_rollout_ref.rollout.name=vllm"]
 
+# What every run's environment sets (and so the suite's shared Ray cluster's: its workers inherit it).
+RUN_ENV = {"CUDA_VISIBLE_DEVICES": "", "WANDB_MODE": "disabled", "RAY_DEDUP_LOGS": "0",
+           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+RAY_CPUS = 8  # logical CPUs of a run's Ray cluster: verl's workers and agent loops fit on the 2 cores
+
 
 def grpo_recipe(model: Path, train: Path, test: Path, out: Path, steps: int = 3, save_freq: int = -1) -> list[str]:
     """A small GRPO recipe for verl's main_ppo (CPU-sized), validation before training and every 2 steps."""
@@ -43,7 +48,9 @@ def grpo_recipe(model: Path, train: Path, test: Path, out: Path, steps: int = 3,
         "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=False",
         f"reward.custom_reward_function.path={HERE / 'reward_fn.py'}", "reward.custom_reward_function.name=compute_score",
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
-        "+ray_kwargs.ray_init.num_cpus=8", "+ray_kwargs.ray_init.include_dashboard=False",
+        # a cluster of its own only without $RAY_ADDRESS (the suite's shared cluster, conftest.py, has RAY_CPUS)
+        *([] if os.environ.get("RAY_ADDRESS") else [f"+ray_kwargs.ray_init.num_cpus={RAY_CPUS}",
+                                                    "+ray_kwargs.ray_init.include_dashboard=False"]),
     ]
 
 
@@ -77,8 +84,7 @@ ON_CPU = "+floe.backend.device=cpu"
 def run_main_ppo(args: list[str], log_path: Path, timeout_s: int = 900, switch: list[str] = FLOE_SWITCH) -> Run:
     """`python -m verl.trainer.main_ppo ARGS` with floe's switch keys; killed after `timeout_s`
     (verl waits forever when an agent loop fails, so every run needs an outer timeout)."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "WANDB_MODE": "disabled", "RAY_DEDUP_LOGS": "0",
-           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, **RUN_ENV}
     # hydra.run.dir: hydra's own outputs go next to the log, not into the checkout's outputs/
     cmd = ["timeout", "-k", "30", str(timeout_s), sys.executable, "-m", "verl.trainer.main_ppo", *switch, *args,
            f"hydra.run.dir={log_path.parent / (log_path.stem + '.hydra')}"]

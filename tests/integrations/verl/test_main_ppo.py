@@ -37,7 +37,7 @@ MINI_BATCHES = TRAIN_SEQUENCES // (2 * 2)  # ppo_mini_batch_size x n per mini-ba
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def assets(tmp_path_factory: pytest.TempPathFactory, shared_ray: str) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("verl")
     train, test = make_data(root / "data")
     return {"root": root, "model": make_model(root / "tiny"), "train": train, "test": test}

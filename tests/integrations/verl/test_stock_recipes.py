@@ -21,7 +21,7 @@ STEPS = 2
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def assets(tmp_path_factory: pytest.TempPathFactory, shared_ray: str) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("verl-stock")
     train, test = make_data(root / "data")
     return {"root": root, "model": make_model(root / "tiny"), "train": train, "test": test}
