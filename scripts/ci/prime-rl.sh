@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The prime-rl suite (pytest marker `prime_rl`): prime-rl's own code (config classes, LR
-# scheduler) next to `floe prime-trainer`, in its own cached Python 3.11
+# scheduler) next to `floe prime-trainer`, in its own cached Python 3.12
 # environment (scripts/ci/lib.sh).
 #
 # prime-rl is not on the package index. ../shared/vendor holds `git archive` exports of the
@@ -16,11 +16,16 @@
 # The suite finds the unpacked prime-rl through the installed `prime_rl` package. prime-rl's
 # orchestrator is not run here yet (scripts/prime_rl/orchestrator_env.sh runs it by hand, with stubs).
 # Usage: bash scripts/ci/prime-rl.sh [extra pytest args]
-# Python 3.11, the machine's own (lib.sh's default), although prime-rl declares ~=3.12.0: the
-# archives' code parses and the suite passes on 3.11, and 3.11 takes torch 2.13.0 CPU from local
-# disk, where 3.12 gets only PyPI's CUDA build (torch and about 2.5 GB of nvidia-* wheels: the
-# first build took 10 min instead of 6). So the archives go in with --ignore-requires-python, as
-# skyrl.sh does for skyrl. PYTHON=python3.12 still builds the 3.12 environment.
+# Python 3.12: `python3.12` where it runs, else the pyenv root's 3.12 (pyenv's shim refuses
+# python3.12 while 3.12 is not a selected version).
+if [ -z "${PYTHON:-}" ]; then
+  for PYTHON in python3.12 "$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")"/versions/3.12*/bin/python3.12; do
+    "$PYTHON" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && break
+  done
+fi
+"$PYTHON" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null \
+  || { echo "prime-rl.sh: no Python 3.12 found (prime-rl requires ~=3.12.0); set PYTHON"; exit 1; }
+export PYTHON
 source "$(dirname "$0")/lib.sh"
 
 VENDOR=../shared/vendor
@@ -48,8 +53,8 @@ if stack_env prime-rl "$TORCH_PIN $HASHES verifiers:$VF_VERSION modelexpress:$MO
     tar -xzf "$VENDOR/$a.tar.gz" -C "$SRC/$a"
   done
   PRL="$SRC/prime-rl-559b447/prime-rl"
-  SETUPTOOLS_SCM_PRETEND_VERSION=$VF_VERSION "$VENV/bin/pip" install --quiet --no-deps --ignore-requires-python -e "$SRC/verifiers-a60a606/verifiers"
-  "$VENV/bin/pip" install --quiet --no-deps --ignore-requires-python -e "$SRC/torchtitan-23e4dfc/torchtitan" \
+  SETUPTOOLS_SCM_PRETEND_VERSION=$VF_VERSION "$VENV/bin/pip" install --quiet --no-deps -e "$SRC/verifiers-a60a606/verifiers"
+  "$VENV/bin/pip" install --quiet --no-deps -e "$SRC/torchtitan-23e4dfc/torchtitan" \
     -e "$PRL/packages/prime-rl-configs" -e "$PRL" "modelexpress==$MODELEXPRESS"
   # prime-rl's locked versions of the index packages (torch and the excluded ones left out).
   "$VENV/bin/python" - "$PRL/uv.lock" "$EXCLUDED" > "$VENV/prime-rl-constraints.txt" <<'PYEOF'
