@@ -323,6 +323,7 @@ class FloeTrainerMixin:
     all_metrics: dict[str, Any]
     inference_engine_client: Any
     dispatch: Any
+    trajectory_logger: Any
 
     def __init__(self, *args: Any, floe_client: floe.Client, floe_loss: SkyRLLoss, floe_calls: Counter[str], **kwargs: Any):
         super().__init__(*args, **kwargs)

@@ -134,7 +134,7 @@ class FloeFullyAsyncTrainer(FloeTrainerMixin, FullyAsyncRayPPOTrainer):
 
     @staticmethod
     def _pop_versions(group: GeneratedOutputGroup) -> list[int]:
-        versions = group.generator_output.pop(VERSIONS_KEY, None)  # type: ignore[misc]
+        versions: list[int] | None = group.generator_output.pop(VERSIONS_KEY, None)  # type: ignore[misc, assignment]
         if versions is None:
             raise RuntimeError(f"generation group {group.uid} carries no floe weights versions (VersionedGenerator)")
         return list(versions)
