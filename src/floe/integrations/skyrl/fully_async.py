@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import statistics
 from pathlib import Path
 from typing import Any
 
-from loguru import logger
 from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
 from skyrl.train.fully_async_trainer import FullyAsyncRayPPOTrainer, GeneratedOutputGroup
 from skyrl.train.generators.base import GeneratorInput, GeneratorOutput
@@ -40,6 +40,7 @@ from floe.errors import InvalidInput
 from floe.integrations.skyrl.dispatch import FloeTrainerMixin
 from floe.integrations.skyrl.inference import record_versions
 
+log = logging.getLogger("floe.integrations.skyrl")
 VERSIONS_KEY = "floe_weights_versions"  # per output row: the floe weights version that produced it
 SAMPLES_FILE = "floe_samples.jsonl"
 
@@ -127,8 +128,8 @@ class FloeFullyAsyncTrainer(FloeTrainerMixin, FullyAsyncRayPPOTrainer):
         self.all_metrics.update({f"async/scheduled_staleness_{k}": v for k, v in scheduled.items()})
         self.all_metrics.update(staleness_metrics(stalenesses, versions, self.max_staleness_steps))
         if self.all_metrics["async/staleness_violation_count"]:
-            logger.warning(f"floe: {self.all_metrics['async/staleness_violation_count']} samples are more than "
-                           f"trainer.fully_async.max_staleness_steps={self.max_staleness_steps} versions old")
+            log.warning("floe: %s samples are more than trainer.fully_async.max_staleness_steps=%s versions old",
+                        self.all_metrics["async/staleness_violation_count"], self.max_staleness_steps)
         self._write_samples(cur_generation_group_mini_batch, versions_by_group, now)
         return training_input
 
