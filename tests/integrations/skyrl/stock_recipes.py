@@ -461,6 +461,58 @@ RECIPES: dict[str, StockRecipe] = {r.name: r for r in (
 )}
 
 
+# SkyRL's fully-async example (its own entrypoint examples/train/fully_async/main_fully_async.py,
+# whose trainer the switch picks by trainer.fully_async.enabled); its checks differ from the
+# synchronous recipes' (test_fully_async.py), so it is not in RECIPES.
+RUN_NAME = "gsm8k-fully-async-qwen2.5_1.5B-geoMask0.99_1.01-maxStale4-numCon1280-2train2gen"
+FULLY_ASYNC = StockRecipe('fully_async_gsm8k', 'examples/train/fully_async/fully_async_run_gsm8k.sh', (
+    "data.train_data=['~/data/gsm8k/train.parquet']",
+    "data.val_data=['~/data/gsm8k/validation.parquet']",
+    'trainer.fully_async.enabled=true',
+    'trainer.fully_async.max_staleness_steps=4',
+    'trainer.fully_async.num_parallel_generation_workers=1280',
+    'trainer.algorithm.policy_loss_type=rollout_is',
+    'trainer.algorithm.advantage_estimator=grpo',
+    'trainer.algorithm.off_policy_correction.sequence_mask_metric=geometric',
+    'trainer.algorithm.off_policy_correction.geo_mask_high=1.01',
+    'trainer.algorithm.off_policy_correction.geo_mask_low=0.99',
+    'trainer.policy.model.path=Qwen/Qwen2.5-1.5B-Instruct',
+    'trainer.placement.colocate_all=false',
+    'trainer.strategy=fsdp',
+    'trainer.placement.policy_num_gpus_per_node=2',
+    'trainer.placement.critic_num_gpus_per_node=2',
+    'trainer.placement.ref_num_gpus_per_node=2',
+    'generator.inference_engine.num_engines=2',
+    'generator.inference_engine.tensor_parallel_size=1',
+    'trainer.epochs=20',
+    'trainer.eval_batch_size=1024',
+    'trainer.eval_before_train=false',
+    'trainer.eval_interval=4',
+    'trainer.update_epochs_per_batch=1',
+    'trainer.train_batch_size=256',
+    'trainer.policy_mini_batch_size=256',
+    'trainer.micro_forward_batch_size_per_gpu=8',
+    'trainer.micro_train_batch_size_per_gpu=8',
+    'trainer.ckpt_interval=10',
+    'trainer.max_prompt_length=512',
+    'generator.sampling_params.max_generate_length=1024',
+    'trainer.policy.optimizer_config.lr=1.0e-6',
+    'trainer.algorithm.use_kl_loss=true',
+    'generator.inference_engine.backend=vllm',
+    'generator.inference_engine.run_engines_locally=true',
+    'generator.inference_engine.weight_sync_backend=nccl',
+    'generator.batched=false',
+    'environment.env_class=gsm8k',
+    'generator.n_samples_per_prompt=5',
+    'generator.inference_engine.gpu_memory_utilization=0.8',
+    'trainer.logger=wandb',
+    'trainer.project_name=gsm8k-async',
+    f'trainer.run_name={RUN_NAME}',
+    'trainer.resume_mode=latest',
+    f'trainer.ckpt_path=~/ckpts/{RUN_NAME}',
+    'generator.inference_engine.enforce_eager=false',
+))
+
 # What `cpu_sized` replaces: model, data (and the environment that scores it), sizes, placement,
 # device and precision, evaluation, checkpoints and logging. Everything else (estimator, loss and
 # its keys, reductions, KL, learning rate, generator mode, ...) stays as the recipe has it.
@@ -473,6 +525,8 @@ CPU_KEYS = {
     "generator.n_samples_per_prompt", "trainer.logger", "trainer.project_name", "trainer.run_name", "trainer.log_path",
     "trainer.export_path", "trainer.resume_mode", "trainer.flash_attn", "trainer.bf16",
     "generator.inference_engine.model_dtype",
+    # a size: SkyRL requires mini_batch <= workers <= mini_batch * (max_staleness_steps + 1)
+    "trainer.fully_async.num_parallel_generation_workers",
 }
 
 

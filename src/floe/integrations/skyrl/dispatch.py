@@ -12,11 +12,13 @@ rows with the same prompt become one group, so floe runs each prompt once.
 
 `FloeRayPPOTrainer` is SkyRL's own ``RayPPOTrainer`` with only ``build_models`` replaced (no
 Ray worker groups, no GPUs) and the response layout of each forward batch handed to the
-dispatch (SkyRL's forward batches carry only ``sequences`` / ``attention_mask``).
+dispatch (SkyRL's forward batches carry only ``sequences`` / ``attention_mask``): the
+`FloeTrainerMixin`, which fully_async.py mixes into SkyRL's fully-async trainer too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 from dataclasses import asdict
@@ -242,7 +244,9 @@ class FloeDispatch:
         current = self.inference_client.weight_version
         t0 = time.perf_counter()
         self.calls["sync_weights"] += 1
-        res = self.client.sync_weights(version=step if step > current else None)
+        # off the event loop: under the fully-async trainer, generation keeps queuing meanwhile
+        # (floe's sync waits for running samples; samples that arrive during it wait for it)
+        res = await asyncio.to_thread(self.client.sync_weights, version=step if step > current else None)
         self.last_sync_seconds = time.perf_counter() - t0
         self.inference_client.weight_version = res.version
         self.dirty = False
@@ -311,8 +315,15 @@ class FloeDispatch:
         return None
 
 
-class FloeRayPPOTrainer(RayPPOTrainer):
-    """SkyRL's PPO trainer whose models live in a floe backend (see the module doc)."""
+class FloeTrainerMixin:
+    """What SkyRL's trainers need to run on floe (see the module doc); mixed into
+    ``RayPPOTrainer`` here and into ``FullyAsyncRayPPOTrainer`` in fully_async.py."""
+
+    cfg: Any
+    all_metrics: dict[str, Any]
+    inference_engine_client: Any
+    dispatch: Any
+    trajectory_logger: Any
 
     def __init__(self, *args: Any, floe_client: floe.Client, floe_loss: SkyRLLoss, floe_calls: Counter[str], **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -321,13 +332,13 @@ class FloeRayPPOTrainer(RayPPOTrainer):
     def build_models(self, PolicyWorker: Any, CriticWorker: Any, RefWorker: Any) -> None:
         client, loss, calls = self._floe
         algorithm = self.cfg.trainer.algorithm
-        self.policy_model = "floe:policy"  # type: ignore[assignment] - no Ray actor group: floe holds the model
+        self.policy_model = "floe:policy"  # no Ray actor group: floe holds the model
         self.critic_model = None
-        self.ref_model = "floe:reference" if (algorithm.use_kl_loss or algorithm.use_kl_in_reward) else None  # type: ignore[assignment]
+        self.ref_model = "floe:reference" if (algorithm.use_kl_loss or algorithm.use_kl_in_reward) else None
         assert isinstance(self.inference_engine_client, FloeInferenceClient)
         # SkyRL's own count: the scheduler spans every optimizer step of the run.
-        total = optimizer_steps(self.cfg.trainer, self.total_training_steps)
-        self.dispatch = FloeDispatch(self.cfg, client, loss, calls, self.inference_engine_client, self, total)  # type: ignore[assignment]
+        total = optimizer_steps(self.cfg.trainer, self.total_training_steps)  # type: ignore[attr-defined]
+        self.dispatch = FloeDispatch(self.cfg, client, loss, calls, self.inference_engine_client, self, total)  # type: ignore[arg-type]
         self.dispatch.run_name = self.cfg.trainer.run_name or "skyrl"
         # SkyRL's trainer/tokens_per_second_per_gpu divides by this: the devices floe's policy trains on.
         self._num_training_gpus = int(self.dispatch.capabilities["policy_devices"])
@@ -335,14 +346,18 @@ class FloeRayPPOTrainer(RayPPOTrainer):
     def train_critic_and_policy(self, data: TrainingInputBatch) -> Any:
         """SkyRL's training step, then floe's throughput of it into the step's metrics
         (`FloeDispatch.step_throughput`)."""
-        self.dispatch.measured = {}  # type: ignore[attr-defined]
-        status = super().train_critic_and_policy(data)
-        self.all_metrics.update(self.dispatch.step_throughput())  # type: ignore[attr-defined]
+        self.dispatch.measured = {}
+        status = super().train_critic_and_policy(data)  # type: ignore[misc]
+        self.all_metrics.update(self.dispatch.step_throughput())
         return status
 
     def fwd_logprobs_values_reward(self, training_input: TrainingInputBatch) -> TrainingInputBatch:
-        self.dispatch.response_mask = training_input["response_mask"]  # type: ignore[attr-defined]
+        self.dispatch.response_mask = training_input["response_mask"]
         try:
-            return super().fwd_logprobs_values_reward(training_input)
+            return super().fwd_logprobs_values_reward(training_input)  # type: ignore[misc]
         finally:
-            self.dispatch.response_mask = None  # type: ignore[attr-defined]
+            self.dispatch.response_mask = None
+
+
+class FloeRayPPOTrainer(FloeTrainerMixin, RayPPOTrainer):
+    """SkyRL's (synchronous) PPO trainer whose models live in a floe backend (see the module doc)."""

@@ -6,7 +6,9 @@ SkyRL's ``main_base`` sees ``trainer.override_entrypoint`` and calls `main` here
 the same command line into `FloeSkyRLConfig` (SkyRL's config plus an optional ``floe`` block),
 runs SkyRL's own ``validate_cfg`` and ``initialize_ray``, checks that floe can honour every
 loss / optimizer key (mapping.py; an InvalidInput names the key otherwise), and runs `FloeExp`
-in one Ray task as ``main_base`` does. SkyRL's dataset, generator, skyrl-gym environments,
+in one Ray task as ``main_base`` does. With ``trainer.fully_async.enabled=true`` the trainer is
+SkyRL's fully-async one (fully_async.py: generation overlaps training, staleness from floe's
+weights versions). SkyRL's dataset, generator, skyrl-gym environments,
 advantage estimators, loss reduction, metrics and trainer loop run unchanged; the policy,
 reference and sampler are floe's.
 
@@ -44,7 +46,8 @@ from floe.atomic import atomic_write_text
 from floe.config import parse_config
 from floe.errors import InvalidInput
 from floe.integrations.hardware import check_server_lora, describe, with_overrides
-from floe.integrations.skyrl.dispatch import FloeRayPPOTrainer
+from floe.integrations.skyrl.dispatch import FloeRayPPOTrainer, FloeTrainerMixin
+from floe.integrations.skyrl.fully_async import FloeFullyAsyncTrainer, VersionedGenerator, check_fully_async
 from floe.integrations.skyrl.hardware import SkyRLHardware, skyrl_hardware, skyrl_lora
 from floe.integrations.skyrl.inference import FloeInferenceClient
 from floe.integrations.skyrl.mapping import SkyRLLoss, map_loss, map_optimizer, optimizer_steps
@@ -88,7 +91,7 @@ def check_supported(cfg: SkyRLTrainConfig) -> SkyRLLoss:
     """
     trainer = cfg.trainer
     if trainer.fully_async.enabled:
-        raise InvalidInput("trainer.fully_async.enabled", "floe's SkyRL plugin runs SkyRL's synchronous trainer")
+        check_fully_async(cfg)
     if trainer.update_ref_every_epoch:
         raise InvalidInput("trainer.update_ref_every_epoch", "floe's reference zone is fixed for the run")
     if cfg.generator.vision_language_generator:
@@ -195,17 +198,28 @@ class FloeExp(BasePPOExp):
         return None  # floe places its own zones; no GPU placement group
 
     def get_inference_client(self) -> FloeInferenceClient:
-        return FloeInferenceClient(self.floe_client, self.tokenizer, str(self.cfg.trainer.policy.model.path), self.floe_calls)
+        """Sampling goes through a fork of the floe client (its own ordered stream), so that under
+        the fully-async trainer it runs while the trainer thread trains on the main one."""
+        self.sampler_client = self.floe_client.fork()
+        return FloeInferenceClient(self.sampler_client, self.tokenizer, str(self.cfg.trainer.policy.model.path), self.floe_calls)
+
+    def get_generator(self, cfg: Any, tokenizer: Any, inference_engine_client: Any) -> Any:
+        """SkyRL's generator; under the fully-async trainer wrapped to carry floe's weights
+        versions (fully_async.VersionedGenerator)."""
+        generator = super().get_generator(cfg, tokenizer, inference_engine_client)
+        return VersionedGenerator(generator) if cfg.trainer.fully_async.enabled else generator
 
     def get_trainer(self, cfg: Any, tracker: Any, tokenizer: Any, train_dataset: Any, eval_dataset: Any,
-                    inference_engine_client: Any, generator: Any, colocate_pg: Any) -> FloeRayPPOTrainer:
-        return FloeRayPPOTrainer(
+                    inference_engine_client: Any, generator: Any, colocate_pg: Any) -> FloeTrainerMixin:
+        """SkyRL's RayPPOTrainer, or its FullyAsyncRayPPOTrainer with ``trainer.fully_async.enabled``, on floe."""
+        trainer_class = FloeFullyAsyncTrainer if cfg.trainer.fully_async.enabled else FloeRayPPOTrainer
+        return trainer_class(
             cfg=cfg, tracker=tracker, tokenizer=tokenizer, train_dataset=train_dataset, eval_dataset=eval_dataset,
             inference_engine_client=inference_engine_client, generator=generator, colocate_pg=colocate_pg,
             floe_client=self.floe_client, floe_loss=self.floe_loss, floe_calls=self.floe_calls,
         )
 
-    def _setup_trainer(self) -> FloeRayPPOTrainer:
+    def _setup_trainer(self) -> FloeTrainerMixin:
         """SkyRL's ``_setup_trainer`` without its FSDP/Megatron worker imports (which need CUDA
         and flash-attn): the models are floe's."""
         os.makedirs(self.cfg.trainer.export_path, exist_ok=True)
@@ -227,6 +241,8 @@ class FloeExp(BasePPOExp):
         finally:
             out = Path(self.cfg.trainer.export_path) / CALLS_FILE
             atomic_write_text(out, json.dumps(dict(sorted(self.floe_calls.items())), indent=1) + "\n")
+            if getattr(self, "sampler_client", None) is not None:
+                self.sampler_client.close()
             self.floe_client.close()
 
 

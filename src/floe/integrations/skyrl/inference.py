@@ -6,6 +6,10 @@ trajectory, concurrently; requests that arrive in the same event-loop turn are g
 those with the same prompt and sampling parameters become one ``sample(prompts, n)`` call, so
 floe prefills each prompt once for its n samples. `weight_version` is the sampler version floe
 reports (the trainer's step, see dispatch.py), which SkyRL reads for its prefix-cache salt.
+
+Every response's floe ``weights_version`` is also recorded, per SkyRL session id (one per
+trajectory), into the sink `record_versions` opened around a generator call, so the fully-async
+trainer (fully_async.py) measures staleness from floe's real versions.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +36,22 @@ from floe.integrations.skyrl.mapping import map_sampling
 # floe stop reasons -> the vLLM ones SkyRL's generator understands.
 STOP_REASONS = {"stop_token": "stop", "stop_string": "stop", "length": "length"}
 
+# session id (None when a request has none) -> the weights versions of its responses, in order.
+VersionSink = dict[Hashable | None, list[int]]
+_VERSIONS: ContextVar[VersionSink | None] = ContextVar("floe_skyrl_versions", default=None)
+
+
+@contextmanager
+def record_versions() -> Iterator[VersionSink]:
+    """A sink that every `FloeInferenceClient.generate` awaited in this context (and the tasks
+    it starts, which copy the context) fills with its responses' floe weights versions."""
+    sink: VersionSink = {}
+    token = _VERSIONS.set(sink)
+    try:
+        yield sink
+    finally:
+        _VERSIONS.reset(token)
+
 
 @dataclass
 class _Pending:
@@ -39,7 +61,10 @@ class _Pending:
 
 
 class FloeInferenceClient(InferenceEngineInterface):
-    """SkyRL's inference client on a floe backend (`client`); `calls` counts floe operations."""
+    """SkyRL's inference client on a floe backend (`client`); `calls` counts floe operations.
+
+    `weight_version` starts at the backend's sampler version (a `floe serve` may have synced
+    before this run)."""
 
     def __init__(self, client: floe.Client, tokenizer: Any, model_name: str, calls: Counter[str]):
         self._client = client
@@ -48,7 +73,7 @@ class FloeInferenceClient(InferenceEngineInterface):
         self._calls = calls
         self._pending: list[_Pending] = []
         self._flush: asyncio.Task[None] | None = None
-        self.weight_version = 0
+        self.weight_version = client.info().sampler_version
 
     @property
     def model_name(self) -> str:
@@ -76,6 +101,11 @@ class FloeInferenceClient(InferenceEngineInterface):
         if self._flush is None or self._flush.done():
             self._flush = asyncio.create_task(self._run_pending())
         samples = await asyncio.gather(*futures)
+        sink = _VERSIONS.get()
+        if sink is not None:
+            sessions = input_batch.get("session_ids") or [None] * len(samples)
+            for session, s in zip(sessions, samples):
+                sink.setdefault(session, []).append(s.weights_version)
         want_logprobs = (input_batch.get("sampling_params") or {}).get("logprobs") is not None
         return {
             "responses": [self._tokenizer.decode(s.tokens, skip_special_tokens=True) for s in samples],
