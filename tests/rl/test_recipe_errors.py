@@ -53,7 +53,7 @@ def test_typos_fail_fast_in_floe_train(recipe_file, tmp_path, override, expected
     [
         (["--train.loss", '"ppo"'], "recipe.train.loss", "[train.loss] name = "),
         (["--train.loss_config.clip_high", "0.3"], "recipe.train.loss_config", "[train.loss] name = "),
-        (["--train.loss.kl.beta", "0.1"], "recipe.train.loss.kl.beta", "allowed keys: coef, estimator"),
+        (["--train.loss.kl.beta", "0.1"], "recipe.train.loss.kl.beta", "allowed keys: aggregation, coef, estimator"),
         (["--train.loss.name", '"cispo"', "--train.loss.dual_clip", "2"], "recipe.train.loss.dual_clip",
          "allowed keys: aggregation, clip_high, clip_low, entropy, kl, name, norm_length"),
         (["--train.stepz", "3"], "recipe.train.stepz", "allowed keys: advantage, groups_per_step"),
