@@ -297,9 +297,15 @@ def test_loss_variants_match_naive_reference(client, loss, cfg):
 def test_batch_statistic_does_not_depend_on_micro_batching(client, tiny_model, tmp_path, loss):
     """clip_cov / kl_cov select tokens over the whole call: one micro-batch per sample and one
     micro-batch for everything give the same loss and gradients."""
+    split, one = _split_and_whole(client, tiny_model, tmp_path, loss, dict(LOSSES[loss], aggregation="token_mean"), 99)
+    assert split.metrics["clip_fraction"] == one.metrics["clip_fraction"] > 0
+
+
+def _split_and_whole(client, tiny_model, tmp_path, loss: str, cfg: dict, seed: int):
+    """One call on `client`'s micro-batches and the same call as one micro-batch on a fresh
+    backend: loss and gradients must agree (rel 1e-5). Returns both results."""
     backend = backend_of(client)
-    batch = make_batch(backend.vocab_size, seed=99)
-    cfg = dict(LOSSES[loss], aggregation="token_mean")
+    batch = make_batch(backend.vocab_size, seed=seed)
     torch.manual_seed(SEED)
     split = client.forward_backward(batch, loss, cfg, temperature=TEMPERATURE)
     split_grads = take_grads(backend)
@@ -311,7 +317,7 @@ def test_batch_statistic_does_not_depend_on_micro_batching(client, tiny_model, t
         one_grads = take_grads(backend_of(whole))
     assert rel_err(split_grads, one_grads) < 1e-5
     assert math.isclose(split.metrics["loss"], one.metrics["loss"], rel_tol=1e-5)
-    assert split.metrics["clip_fraction"] == one.metrics["clip_fraction"] > 0
+    return split, one
 
 
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
@@ -480,20 +486,7 @@ def test_kl_and_entropy_aggregations_do_not_depend_on_micro_batching(client, tin
                                                                      kl, entropy):
     """The KL's and entropy's scales are fixed over the whole call like the policy term's: micro-
     batches of 24 tokens and one micro-batch for everything give the same loss and gradients."""
-    backend = backend_of(client)
-    batch = make_batch(backend.vocab_size, seed=77)
-    cfg = _term_cfg(keys, policy, kl, entropy)
-    torch.manual_seed(SEED)
-    split = client.forward_backward(batch, loss, cfg, temperature=TEMPERATURE)
-    split_grads = take_grads(backend)
-    whole_cfg = floe.BackendConfig(model=str(tiny_model), state_dir=str(tmp_path / "s"),
-                                   compute=floe.ComputeConfig(max_tokens_per_microbatch=4096))
-    with floe.connect(whole_cfg) as whole:
-        torch.manual_seed(SEED)
-        one = whole.forward_backward(batch, loss, cfg, temperature=TEMPERATURE)
-        one_grads = take_grads(backend_of(whole))
-    assert rel_err(split_grads, one_grads) < 1e-5
-    assert math.isclose(split.metrics["loss"], one.metrics["loss"], rel_tol=1e-5)
+    _split_and_whole(client, tiny_model, tmp_path, loss, _term_cfg(keys, policy, kl, entropy), 77)
 
 
 @pytest.mark.parametrize(("loss", "keys", "policy", "kl", "entropy"), [TERM_AGGREGATIONS[0], TERM_AGGREGATIONS[3]],
