@@ -399,15 +399,28 @@ def test_batch_statistic_travels_with_data_parallel_shares(client, loss):
     (`batch_token_stats`) split with the shares (`split_batch`), each share run through the
     ranks' micro-batch loop (`accumulate_microbatches`) with its global scales and statistics,
     the shares' gradients summed: the same gradients as one process (the ranks sum theirs)."""
+    one, shares, sums, replay = _replay_shares(client, loss, dict(LOSSES[loss], aggregation="seq_mean_token_mean"), 42)
+    assert all(share.stats is not None for share in shares)
+    assert any(v for share in shares for s in share.stats for v in s)  # some token is selected
+    assert math.isclose(sum(p["clipped_tokens"] for p in sums), one.metrics["clip_fraction"] * one.metrics["tokens"])
+    with pytest.raises(ValueError, match="batch statistics"):  # the statistic is never silently left out
+        replay(shares[-1], None)
+
+
+def _replay_shares(client, loss: str, cfg: dict, seed: int):
+    """One process's forward_backward on a batch, then the same batch as the driver splits it for
+    2 data-parallel ranks (`split_batch`), each share run through the ranks' micro-batch loop
+    (`accumulate_microbatches`) with its own scales and statistics: the shares' gradients summed
+    must equal one process's (rel 1e-5). Returns (one process's result, the shares, every micro-
+    batch's metric sums, `replay(share, stats)` that runs one share again)."""
     from floe.backend.data_parallel import split_batch  # noqa: PLC0415
     from floe.backend.policy import accumulate_microbatches, batch_token_stats, score_flat  # noqa: PLC0415
     from floe.backend.scoring import plan_batch, uses_prefix_dedup  # noqa: PLC0415
     from floe.compute.losses import resolve_loss  # noqa: PLC0415
 
     backend = backend_of(client)
-    policy = backend.policy
-    batch = make_batch(backend.vocab_size, seed=42)
-    cfg = dict(LOSSES[loss], aggregation="seq_mean_token_mean")
+    zone = backend.policy
+    batch = make_batch(backend.vocab_size, seed=seed)
     torch.manual_seed(SEED)
     one = client.forward_backward(batch, loss, cfg, temperature=TEMPERATURE)
     expected = take_grads(backend)
@@ -415,26 +428,22 @@ def test_batch_statistic_travels_with_data_parallel_shares(client, loss):
     spec = resolve_loss(loss, cfg)
     device = torch.device("cpu")
     torch.manual_seed(SEED)
-    stats = batch_token_stats(batch, spec, policy.forward(batch, TEMPERATURE, False).logprobs, device)
-    assert stats is not None and any(v for s in stats for v in s)  # some token is selected
+    stats = batch_token_stats(batch, spec, zone.forward(batch, TEMPERATURE, False).logprobs, device)
     shares = split_batch(batch, 2, spec, stats)
-    assert all(share.batch is not None and share.stats is not None for share in shares)
-    clipped = 0.0
-    for share in shares:
+
+    def replay(share, share_stats):
         sub = share.batch
         assert sub is not None
-        plan = plan_batch(sub, policy.compute, uses_prefix_dedup(policy.model, policy.compute), policy.model)
+        plan = plan_batch(sub, zone.compute, uses_prefix_dedup(zone.model, zone.compute), zone.model)
 
-        def score(mb, sub=sub):
-            return score_flat(policy.model, sub, mb, TEMPERATURE, True, policy.compute)
+        def score(mb):
+            return score_flat(zone.model, sub, mb, TEMPERATURE, True, zone.compute)
 
-        _, sums = accumulate_microbatches(score, sub, plan, share.scales, spec, device, share.stats)
-        clipped += sum(p["clipped_tokens"] for p in sums)
-    got = take_grads(backend)
-    assert rel_err(got, expected) < 1e-5
-    assert math.isclose(clipped, one.metrics["clip_fraction"] * one.metrics["tokens"])
-    with pytest.raises(ValueError, match="batch statistics"):  # the statistic is never silently left out
-        accumulate_microbatches(score, sub, plan, share.scales, spec, device, None)
+        return accumulate_microbatches(score, sub, plan, share.scales, spec, device, share_stats)[1]
+
+    sums = [p for share in shares for p in replay(share, share.stats)]
+    assert rel_err(take_grads(backend), expected) < 1e-5
+    return one, shares, sums, replay
 
 
 # Each term under its own aggregation (kl.aggregation / entropy.aggregation): (loss, its keys,
@@ -495,40 +504,9 @@ def test_kl_and_entropy_scales_travel_with_data_parallel_shares(client, loss, ke
     """The data-parallel path without the ranks (as for the batch statistic above): each share
     carries its samples' global scales of every term (`RankShare.scales`), the shares' gradients
     summed are one process's."""
-    from floe.backend.data_parallel import split_batch  # noqa: PLC0415
-    from floe.backend.policy import accumulate_microbatches, batch_token_stats, score_flat  # noqa: PLC0415
-    from floe.backend.scoring import plan_batch, uses_prefix_dedup  # noqa: PLC0415
-    from floe.compute.losses import resolve_loss  # noqa: PLC0415
-
-    backend = backend_of(client)
-    policy_zone = backend.policy
-    batch = make_batch(backend.vocab_size, seed=43)
-    cfg = _term_cfg(keys, policy, kl, entropy)
-    torch.manual_seed(SEED)
-    one = client.forward_backward(batch, loss, cfg, temperature=TEMPERATURE)
-    expected = take_grads(backend)
-
-    spec = resolve_loss(loss, cfg)
-    device = torch.device("cpu")
-    torch.manual_seed(SEED)
-    stats = batch_token_stats(batch, spec, policy_zone.forward(batch, TEMPERATURE, False).logprobs, device)
-    shares = split_batch(batch, 2, spec, stats)
+    one, shares, sums, _ = _replay_shares(client, loss, _term_cfg(keys, policy, kl, entropy), 43)
     assert all(share.batch is not None and share.scales.kl != share.scales.policy for share in shares)
-    total = 0.0
-    for share in shares:
-        sub = share.batch
-        assert sub is not None
-        plan = plan_batch(sub, policy_zone.compute, uses_prefix_dedup(policy_zone.model, policy_zone.compute),
-                          policy_zone.model)
-
-        def score(mb, sub=sub):
-            return score_flat(policy_zone.model, sub, mb, TEMPERATURE, True, policy_zone.compute)
-
-        _, sums = accumulate_microbatches(score, sub, plan, share.scales, spec, device, share.stats)
-        total += sum(p["loss"] for p in sums)
-    got = take_grads(backend)
-    assert rel_err(got, expected) < 1e-5
-    assert math.isclose(total, one.metrics["loss"], rel_tol=1e-5)
+    assert math.isclose(sum(p["loss"] for p in sums), one.metrics["loss"], rel_tol=1e-5)
 
 
 def test_term_aggregation_keys_are_validated():
