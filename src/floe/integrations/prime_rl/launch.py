@@ -90,7 +90,8 @@ def _stripped(key: str) -> bool:
 def import_prime_rl() -> dict[str, Any]:
     """prime-rl's config class and launcher functions; InvalidInput saying how to get them."""
     try:
-        from prime_rl.configs.rl import RLConfig  # noqa: PLC0415 - optional: prime-rl's environment only
+        # prime-rl's environment only (optional; not resolvable where floe is type-checked)
+        from prime_rl.configs.rl import RLConfig  # type: ignore[import-not-found]  # noqa: PLC0415
         from prime_rl.entrypoints.rl import ENVS_DIR, ORCHESTRATOR_CONFIG, env_servers, write_subconfigs  # noqa: PLC0415
         from prime_rl.utils.config import cli  # noqa: PLC0415
         from prime_rl.utils.pathing import (  # noqa: PLC0415
@@ -142,7 +143,7 @@ def plan(argv: list[str], prime: dict[str, Any]) -> Plan:
     """Parse and cross-check the combined config; InvalidInput naming the first bad key."""
     files, flags = split_argv(argv)
     overrides = {k.replace("-", "_"): parse_override_value(v) for k, v in flags}
-    raw = load_layers(files, overrides)
+    raw = load_layers(list[str | Path](files), overrides)
     trainer = parse_config(raw)  # floe prime-trainer's reading of the same layers
     floe = dict(raw.get("floe") or {})
     rl = resolve_rl_config(prime, files, flags)
@@ -172,7 +173,7 @@ def plan(argv: list[str], prime: dict[str, Any]) -> Plan:
     ready = floe.get("ready_timeout_s", 300)
     if isinstance(ready, bool) or not isinstance(ready, (int, float)) or ready <= 0:
         raise InvalidInput("floe.ready_timeout_s", f"must be a number of seconds > 0, got {ready!r}")
-    not_applied = [f"trainer.ckpt (prime-rl's trainer checkpoint; floe serve keeps the policy's state)"
+    not_applied = ["trainer.ckpt (prime-rl's trainer checkpoint; floe serve keeps the policy's state)"
                    ] if rl.trainer.ckpt is not None else []
     return Plan(rl=rl, trainer=trainer, floe=floe, inference_keys=inference_keys, not_applied=not_applied)
 
@@ -386,7 +387,7 @@ def _terminate(signum: int, frame: Any) -> None:
 def main(argv: list[str]) -> int:
     """`floe prime-rl @ rl.toml @ floe.toml [--a.b VALUE ...]`; returns the exit status."""
     if any(a in ("-h", "--help") for a in argv):
-        print(__doc__.strip() + "\n\nusage: floe prime-rl @ rl.toml @ recipes/prime_rl/floe.toml [--section.key VALUE ...]"
+        print((__doc__ or "").strip() + "\n\nusage: floe prime-rl @ rl.toml @ recipes/prime_rl/floe.toml [--section.key VALUE ...]"
               "\nsee docs/integrations.md (prime-rl)")
         return 0
     prime = import_prime_rl()
