@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -45,7 +47,8 @@ def stubs() -> str:
     return path
 
 
-def launch(tmp: Path, recipe: str, extra: list[str], timeout_s: float = 800) -> subprocess.CompletedProcess[str]:
+def command(tmp: Path, recipe: str) -> tuple[list[str], dict[str, str]]:
+    """`floe prime-rl @ <prime-rl's recipe> @ floe.toml` with the overrides of the module doc, and its env."""
     model = make_tiny(tmp / "tiny", hidden_size=32, intermediate_size=64, num_hidden_layers=2)
     data = tmp / "PrimeIntellect" / "Reverse-Text-RL"
     data.mkdir(parents=True)
@@ -61,12 +64,25 @@ def launch(tmp: Path, recipe: str, extra: list[str], timeout_s: float = 800) -> 
             "--orchestrator.train.sampling.max-completion-tokens", "8", "--max-steps", str(STEPS),
             "--orchestrator.train.filter-zero-advantages", "false",
             "--orchestrator.model.client.base-url", f"http://127.0.0.1:{free_port()}/v1",
-            "--output-dir", str(tmp / "outputs"), *extra]
+            "--output-dir", str(tmp / "outputs")]
+    return args, env
+
+
+def launch(tmp: Path, recipe: str, timeout_s: float = 800) -> subprocess.CompletedProcess[str]:
+    args, env = command(tmp, recipe)
     return subprocess.run(args, check=False, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout_s)
 
 
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").is_file() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
 def test_reverse_text_stock_recipe_runs_through_one_command(tmp_path: Path) -> None:
-    out = launch(tmp_path, "examples/basic/reverse-text/rl.toml", [])
+    out = launch(tmp_path, "examples/basic/reverse-text/rl.toml")
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     run_dir = tmp_path / "outputs" / "floe-run"
     reports = [json.loads(line) for line in (run_dir / "floe_trainer.jsonl").read_text().splitlines()]
@@ -87,10 +103,20 @@ def test_reverse_text_stock_recipe_runs_through_one_command(tmp_path: Path) -> N
 
 
 def test_a_dying_child_stops_the_run_and_is_named(tmp_path: Path) -> None:
-    # the env server cannot load a taskset that is not installed: it exits, and everything stops
-    out = launch(tmp_path, "examples/basic/reverse-text/rl.toml",
-                 ["--orchestrator.train.source", '[{"name": "reverse-text", "env": {"taskset": {"id": "no-such-taskset"}}}]'],
-                 timeout_s=400)
-    assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "train env server" in out.stderr and "exited with status" in out.stderr, out.stderr[-3000:]
-    assert "envs/train/" in out.stderr
+    # prime-rl's orchestrator is killed once it has started: the launcher stops everything else
+    args, env = command(tmp_path, "examples/basic/reverse-text/rl.toml")
+    proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids: dict[str, int] = {}
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        found = re.search(r"started (.+?) \(pid (\d+)\)", line)
+        if found:
+            pids["env server" if "env server" in found.group(1) else found.group(1)] = int(found.group(2))
+        if "orchestrator" in pids:
+            break
+    assert set(pids) == {"env server", "orchestrator"}, pids
+    os.kill(pids["orchestrator"], signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err[-3000:]
+    assert "orchestrator exited with status -9" in err and "orchestrator.log" in err, err[-3000:]
+    assert not alive(pids["env server"])  # stopped with the run: no orphan
