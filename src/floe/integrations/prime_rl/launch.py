@@ -92,15 +92,20 @@ def import_prime_rl() -> dict[str, Any]:
     try:
         # prime-rl's environment only (optional; not resolvable where floe is type-checked)
         from prime_rl.configs.rl import RLConfig  # type: ignore[import-not-found]  # noqa: PLC0415
-        from prime_rl.entrypoints.rl import ENVS_DIR, ORCHESTRATOR_CONFIG, env_servers, write_subconfigs  # noqa: PLC0415
-        from prime_rl.utils.config import cli  # noqa: PLC0415
-        from prime_rl.utils.pathing import (  # noqa: PLC0415
+        from prime_rl.entrypoints.rl import (  # type: ignore[import-not-found]  # noqa: PLC0415
+            ENVS_DIR,
+            ORCHESTRATOR_CONFIG,
+            env_servers,
+            write_subconfigs,
+        )
+        from prime_rl.utils.config import cli  # type: ignore[import-not-found]  # noqa: PLC0415
+        from prime_rl.utils.pathing import (  # type: ignore[import-not-found]  # noqa: PLC0415
             clean_future_steps,
             create_attempt_log_dir,
             get_config_dir,
             validate_run_dir,
         )
-        from prime_rl.utils.process import DEFAULT_COMMON_ENV_VARS  # noqa: PLC0415
+        from prime_rl.utils.process import DEFAULT_COMMON_ENV_VARS  # type: ignore[import-not-found]  # noqa: PLC0415
     except ImportError as e:
         from floe.integrations.prime_rl import PRIME_RL_COMMIT  # noqa: PLC0415
 
