@@ -13,8 +13,11 @@
 # floe.integrations.prime_rl.schedule imports prime-rl's scheduler without it). modelexpress
 # (imported by the orchestrator) goes in without its CUDA-only nixl requirement.
 # The archives' hashes are part of the environment's hash, so a new snapshot rebuilds it.
-# The suite finds the unpacked prime-rl through the installed `prime_rl` package. prime-rl's
-# orchestrator is not run here yet (scripts/prime_rl/orchestrator_env.sh runs it by hand, with stubs).
+# The suite finds the unpacked prime-rl through the installed `prime_rl` package. It runs prime-rl's
+# real env server and orchestrator through `floe prime-rl` (tests/integrations/prime_rl/test_launch.py):
+# on this CPU machine they need import-only stand-ins for the GPU-only packages they import at module
+# load (scripts/prime_rl/cpu_stubs.sh, written into the environment's directory, never the checkout,
+# and put on those processes' PYTHONPATH only by the test; floe never installs them for users).
 # Usage: bash scripts/ci/prime-rl.sh [extra pytest args]
 # Python 3.12: `python3.12` where it runs, else the pyenv root's 3.12 (pyenv's shim refuses
 # python3.12 while 3.12 is not a selected version).
@@ -88,6 +91,10 @@ install_floe test,prime-rl
 "$VENV/bin/python" -c "import prime_rl.configs.rl
 from floe.integrations.prime_rl.schedule import prime_rl_scheduler_module
 assert prime_rl_scheduler_module() is not None"
+
+# CPU import stand-ins for prime-rl's orchestrator (see the header).
+bash "$(dirname "$0")/../prime_rl/cpu_stubs.sh" "$VENV/cpu-stubs"
+export FLOE_PRIME_RL_CPU_STUBS="$VENV/cpu-stubs"
 
 # Two cores shared: few threads; nothing reaches a hub; no W&B, no GPU.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}

@@ -18,8 +18,10 @@
 #     -> ring_flash_attn/__init__.py -> `from flash_attn.flash_attn_interface import ...`  (flash-attn: CUDA wheel)
 #   transports/weights/__init__.py:9 -> transports/weights/nccl.py:11
 #     `from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator`        (vllm: GPU build)
-# so $PRL_ROOT/stubs holds import-only stand-ins for exactly those names (every call raises);
-# the filesystem weight broadcast and rollout transport the floe overlay selects call neither.
+# so $PRL_ROOT/stubs holds import-only stand-ins for those names (scripts/prime_rl/cpu_stubs.sh);
+# the filesystem weight broadcast and rollout transport the floe overlay selects call none of them.
+# The one command, `floe prime-rl` (docs/integrations.md), is the way to run a recipe; this
+# environment and run_orchestrator.sh are the by-hand pieces.
 set -euo pipefail
 : "${PRIME_RL_SRC:?a prime-rl source snapshot at the pinned commit}"
 : "${TORCHTITAN_SRC:?a torchtitan source snapshot at 23e4dfc}"
@@ -50,29 +52,7 @@ SETUPTOOLS_SCM_PRETEND_VERSION=0.4.1.dev0 "$PIP" install --quiet --no-deps "$VER
 "$PIP" install --quiet "mcp>=1.24.0,<2" uvloop
 
 STUBS="$PRL_ROOT/stubs"
-mkdir -p "$STUBS/flash_attn" "$STUBS/flash_attn-2.8.3.dist-info" "$STUBS/vllm/distributed/device_communicators"
-printf '"""Import stub (see scripts/prime_rl/orchestrator_env.sh)."""\n__version__ = "2.8.3"\n' > "$STUBS/flash_attn/__init__.py"
-cat > "$STUBS/flash_attn/flash_attn_interface.py" <<'PY'
-"""Import stub for ring_flash_attn's module-level imports; every call raises."""
-
-
-def _unavailable(*args, **kwargs):
-    raise RuntimeError("flash_attn import stub: a CUDA wheel, never called by the orchestrator")
-
-
-_flash_attn_forward = _flash_attn_backward = _unavailable
-_flash_attn_varlen_forward = _flash_attn_varlen_backward = _unavailable
-flash_attn_func = flash_attn_varlen_func = _unavailable
-PY
-# transformers looks the distribution up by name once the module is importable.
-printf 'Metadata-Version: 2.1\nName: flash_attn\nVersion: 2.8.3\n' > "$STUBS/flash_attn-2.8.3.dist-info/METADATA"
-printf 'flash_attn\n' > "$STUBS/flash_attn-2.8.3.dist-info/top_level.txt"
-printf '"""Import stub (see scripts/prime_rl/orchestrator_env.sh)."""\n' > "$STUBS/vllm/__init__.py"
-: > "$STUBS/vllm/distributed/__init__.py"
-: > "$STUBS/vllm/distributed/device_communicators/__init__.py"
-printf 'class PyNcclCommunicator:  # import stub\n    def __init__(self, *a, **k):\n        raise RuntimeError("vllm import stub")\n' \
-  > "$STUBS/vllm/distributed/device_communicators/pynccl.py"
-printf 'class StatelessProcessGroup:  # import stub\n    pass\n' > "$STUBS/vllm/distributed/utils.py"
+bash "$(dirname "$0")/cpu_stubs.sh" "$STUBS"   # the import stand-ins (one writer: cpu_stubs.sh)
 
 cd "$PRL_ROOT"  # not the repository: its tests/ would shadow modules
 PYTHONPATH="$STUBS" "$PRL_ROOT/venv/bin/python" -c "import prime_rl.orchestrator.orchestrator, prime_rl.entrypoints.orchestrator, prime_rl.entrypoints.env_server"

@@ -41,6 +41,7 @@ COMMAND_HELP = {
     "serve": "run the backend as an HTTP server",
     "plot": "PNG curves of a run's metrics",
     "prime-trainer": "prime-rl's trainer on a `floe serve`: @ rl.toml @ recipes/prime_rl/floe.toml",
+    "prime-rl": "a prime-rl recipe on floe, every process started here: @ rl.toml @ recipes/prime_rl/floe.toml",
 }
 
 
@@ -300,13 +301,19 @@ def cmd_prime_trainer(argv: list[str]) -> int:
     return prime_trainer_main(argv)
 
 
+def cmd_prime_rl(argv: list[str]) -> int:
+    from floe.integrations.prime_rl.launch import main as prime_rl_main  # noqa: PLC0415 - prime-rl's config classes
+
+    return prime_rl_main(argv)
+
+
 COMMANDS = {"train": cmd_train, "sft": cmd_sft, "eval": cmd_eval, "serve": cmd_serve, "plot": cmd_plot,
-            "prime-trainer": cmd_prime_trainer}
+            "prime-trainer": cmd_prime_trainer, "prime-rl": cmd_prime_rl}
 
 
 def usage() -> str:
     lines = [f"  {name:<13} {text}" for name, text in COMMAND_HELP.items()]
-    return "usage: floe {train,sft,eval,serve,plot,prime-trainer} ... (floe COMMAND --help for each; floe --version)\n\n" + "\n".join(lines)
+    return "usage: floe {train,sft,eval,serve,plot,prime-trainer,prime-rl} ... (floe COMMAND --help for each; floe --version)\n\n" + "\n".join(lines)
 
 
 def version() -> str:

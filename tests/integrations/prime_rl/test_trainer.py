@@ -167,7 +167,7 @@ def test_overlay_and_cli(tmp_path: Path, capsys) -> None:
 
     root = Path(__file__).resolve().parents[3]
     cfg = parse_config(load_layers([root / "recipes/prime_rl/floe.toml"], {"max_steps": 2}))
-    assert (cfg.loss.name, cfg.url, cfg.run_dir.name, cfg.max_steps) == ("dppo", "http://127.0.0.1:8000", "floe-run", 2)
+    assert (cfg.loss.name, cfg.url, cfg.run_dir.name, cfg.max_steps) == ("dppo", "http://127.0.0.1:7000", "floe-run", 2)  # no [floe] url: floe prime-rl starts floe serve
     rl = tmp_path / "rl.toml"
     rl.write_text('max_steps = 2\n[run]\nname = "x"\n[rollout_transport]\ntype = "zmq"\n')
     assert main(["prime-trainer", "@", str(rl)]) == 2

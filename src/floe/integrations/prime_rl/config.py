@@ -18,7 +18,9 @@ read here; the `[floe]` table (the overlay, recipes/prime_rl/floe.toml) adds flo
 
   [floe] url ("http://127.0.0.1:7000"), token_env ("FLOE_TOKEN"), ranks (1: rank files per
   step, the orchestrator's num_train_workers), poll_s (0.2), wait_timeout_s (None = forever),
-  run_dir, loss ({name, config}: a floe loss instead of trainer.loss)
+  run_dir, loss ({name, config}: a floe loss instead of trainer.loss);
+  `floe prime-rl` (launch.py) also reads backend (a [backend] table for the floe serve it starts)
+  and ready_timeout_s (300: how long it waits for that server)
 
 Every other `[trainer]` key tunes prime-rl's own torch trainer (compile, FSDP, activation
 checkpointing, ...); `ignored_trainer_keys` lists them and the trainer prints them at start.
@@ -34,7 +36,8 @@ from floe.errors import InvalidInput
 from floe.integrations.prime_rl.loss_mapping import MappedLoss, map_loss, native_loss
 from floe.integrations.prime_rl.optim import PrimeOptim, PrimeScheduler, parse_optim, parse_scheduler
 
-FLOE_KEYS = {"url", "token_env", "ranks", "poll_s", "wait_timeout_s", "run_dir", "loss"}
+FLOE_KEYS = {"url", "token_env", "ranks", "poll_s", "wait_timeout_s", "run_dir", "loss", "backend", "ready_timeout_s"}
+LAUNCH_KEYS = {"backend", "ready_timeout_s"}  # read by `floe prime-rl` (launch.py), not by the trainer
 READ_TRAINER_KEYS = {"loss", "max_steps", "rollout_transport", "weight_broadcast", "model", "output_dir", "optim",
                      "scheduler"}
 

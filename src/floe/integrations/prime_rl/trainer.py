@@ -19,7 +19,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ class StepReport:
     next_lr: float  # the schedule's rate after this step (what prime-rl logs as optim/lr)
     weights_version: int
     broadcast: str
+    metrics: dict[str, float] = field(default_factory=dict)  # forward_backward's (ratio_*, kl_sampler_k3, ...)
 
 
 def wait_for(paths: list[Path], poll_s: float, timeout_s: float | None) -> None:
@@ -80,9 +81,11 @@ def run(cfg: PrimeTrainerConfig, client: Any, log: Any = print) -> list[StepRepo
         step_batch = to_floe_batch(micro_batches, cfg.loss)
         grad_norm = lr = None
         loss = 0.0
+        metrics: dict[str, float] = {}
         if step_batch.batch.groups:
             fb = client.forward_backward(step_batch.batch, loss=cfg.loss.name, loss_config=cfg.loss.config)
             loss = float(fb.metrics["loss"])
+            metrics = {k: float(v) for k, v in fb.metrics.items() if isinstance(v, (int, float))}
             opt = client.optim_step(lr=schedule.lr)
             grad_norm, lr = opt.grad_norm, opt.lr
             schedule.advance_to(opt.step)
@@ -91,10 +94,11 @@ def run(cfg: PrimeTrainerConfig, client: Any, log: Any = print) -> list[StepRepo
         out = publish(run_dir, BroadcastMarker(step=step, weights_version=version, policy_step=policy_step,
                                                model=info.model))
         report = StepReport(step, loss, step_batch.rl_scale, step_batch.samples, grad_norm, lr, schedule.lr, version,
-                            str(out))
+                            str(out), metrics)
         reports.append(report)
         log(f"prime-trainer: step {step} | loss {loss:.6f} | samples {step_batch.samples} | "
-            f"tokens {step_batch.rl_scale} | grad_norm {grad_norm} | lr {lr} | weights version {version}")
+            f"tokens {step_batch.rl_scale} | grad_norm {grad_norm} | lr {lr} | weights version {version}"
+            + (f" | kl(sampler||policy) {metrics['kl_sampler_k3']:.2e}" if "kl_sampler_k3" in metrics else ""))
         with open(run_dir / "floe_trainer.jsonl", "a") as f:
             f.write(json.dumps(report.__dict__) + "\n")
     return reports

@@ -67,17 +67,19 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 class LocalServer:
     """A running `floe serve` child process: `url`, `token`, `stop()`."""
 
-    def __init__(self, backend: Mapping[str, Any], log_path: str | Path | None = None, ready_timeout_s: float = 300):
-        """Start a server for BackendConfig dict `backend`; wait until it answers /ready.
+    def __init__(self, backend: Mapping[str, Any], log_path: str | Path | None = None, ready_timeout_s: float = 300,
+                 *, server: Mapping[str, Any] | None = None, port: int | None = None):
+        """Start a server for BackendConfig dict `backend` (and ServerConfig dict `server`, its
+        `[server]` table) on 127.0.0.1:`port` (default: a free port); wait until it answers /ready.
 
         Raises FloeError with the end of the server's log if it exits or is not ready in time.
         """
         self.token = secrets.token_hex(16)
-        self.port = _free_port()
+        self.port = _free_port() if port is None else port
         self.url = f"http://127.0.0.1:{self.port}"
         workdir = Path(tempfile.mkdtemp(prefix="floe-verl-"))
         config = workdir / "serve.toml"
-        config.write_text(to_toml({"backend": dict(backend)}))
+        config.write_text(to_toml({"backend": dict(backend), **({"server": dict(server)} if server else {})}))
         self.log_path = Path(log_path) if log_path else workdir / "server.log"
         env = {**os.environ, "FLOE_TOKEN": self.token}
         # Only the thread that forks may own the parent-death signal (it fires when that thread ends).

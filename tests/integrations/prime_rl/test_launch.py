@@ -1,0 +1,122 @@
+"""`floe prime-rl` runs prime-rl's stock reverse-text recipe end to end (marker prime_rl,
+scripts/ci/prime-rl.sh): prime-rl's real env server and orchestrator, floe serve, floe's trainer.
+
+The recipe file is prime-rl's, unchanged; the command overrides only:
+  model          --model.name <make_tiny dir> (random init, char tokenizer with a chat template) and
+                 --orchestrator.renderer.name default (the recipe picks prime-qwen3 for its Qwen3
+                 model: that renderer needs Qwen3's special tokens)
+  sizes / steps  batch_size 4, group_size 2, seq_len 256, max_completion_tokens 8, max_steps 2
+  placement      orchestrator.model.client.base_url (a free port: floe serve binds it), output_dir
+  algorithm      orchestrator.train.filter_zero_advantages false: a random-init model never writes
+                 the <reversed_text> tags, every reward is 0, and prime-rl would drop every sample
+                 (10 empty batches, then it stops)
+Data: the taskset loads the hub dataset PrimeIntellect/Reverse-Text-RL; offline, datasets' load_dataset
+reads a local directory of that name first, so the test writes 16 rows of the same schema
+({"prompt": text}) to <cwd>/PrimeIntellect/Reverse-Text-RL/train.jsonl and runs from that cwd.
+CPU only: prime-rl's orchestrator imports GPU-only packages at module load; CI puts the import
+stand-ins of scripts/prime_rl/cpu_stubs.sh on its PYTHONPATH ($FLOE_PRIME_RL_CPU_STUBS).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from floe.models import make_tiny
+from tests.integrations.prime_rl.test_prime_rl_schedule import prime_rl_root
+from tests.server.conftest import free_port
+
+pytestmark = [pytest.mark.prime_rl, pytest.mark.timeout(900)]
+ROOT = Path(__file__).resolve().parents[3]
+STEPS = 2
+KL_TOLERANCE = 1e-3  # mean k3 KL(sampler || policy) per token at step 1: same weights, float32 on CPU
+
+
+def stubs() -> str:
+    path = os.environ.get("FLOE_PRIME_RL_CPU_STUBS", "")
+    if not path or not Path(path, "sitecustomize.py").is_file():
+        pytest.skip("FLOE_PRIME_RL_CPU_STUBS: the CPU import stand-ins (scripts/prime_rl/cpu_stubs.sh; set by scripts/ci/prime-rl.sh)")
+    return path
+
+
+def command(tmp: Path, recipe: str) -> tuple[list[str], dict[str, str]]:
+    """`floe prime-rl @ <prime-rl's recipe> @ floe.toml` with the overrides of the module doc, and its env."""
+    model = make_tiny(tmp / "tiny", hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    data = tmp / "PrimeIntellect" / "Reverse-Text-RL"
+    data.mkdir(parents=True)
+    rng = random.Random(0)
+    (data / "train.jsonl").write_text("".join(json.dumps({"prompt": "".join(rng.choice("abcdefgh ") for _ in range(8))})
+                                              + "\n" for _ in range(16)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), stubs()]), "HF_HUB_OFFLINE": "1",
+           "WANDB_MODE": "disabled", "CUDA_VISIBLE_DEVICES": ""}
+    args = [sys.executable, "-m", "floe.cli", "prime-rl", "@", str(prime_rl_root() / recipe),
+            "@", str(ROOT / "recipes/prime_rl/floe.toml"),
+            "--model.name", str(model), "--orchestrator.renderer.name", "default",
+            "--orchestrator.batch-size", "4", "--orchestrator.group-size", "2", "--seq-len", "256",
+            "--orchestrator.train.sampling.max-completion-tokens", "8", "--max-steps", str(STEPS),
+            "--orchestrator.train.filter-zero-advantages", "false",
+            "--orchestrator.model.client.base-url", f"http://127.0.0.1:{free_port()}/v1",
+            "--output-dir", str(tmp / "outputs")]
+    return args, env
+
+
+def launch(tmp: Path, recipe: str, timeout_s: float = 800) -> subprocess.CompletedProcess[str]:
+    args, env = command(tmp, recipe)
+    return subprocess.run(args, check=False, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout_s)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").is_file() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def test_reverse_text_stock_recipe_runs_through_one_command(tmp_path: Path) -> None:
+    out = launch(tmp_path, "examples/basic/reverse-text/rl.toml")
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    run_dir = tmp_path / "outputs" / "floe-run"
+    reports = [json.loads(line) for line in (run_dir / "floe_trainer.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in reports] == list(range(1, STEPS + 1))
+    versions = [r["weights_version"] for r in reports]
+    assert versions == sorted(set(versions)) and len(versions) == STEPS  # a new version each step, in order
+    for step in range(STEPS + 1):
+        assert (run_dir / "broadcasts" / f"step_{step}" / "STABLE").is_file()
+    # step 1 trains on rollouts of the startup weights: sampler and trainer log-probs agree
+    first = reports[0]["metrics"]
+    assert first["tokens"] > 0
+    assert abs(first["kl_sampler_k3"]) < KL_TOLERANCE, first
+    assert abs(first["ratio_mean"] - 1) < 1e-2 and first["ratio_min"] > 0.9 and first["ratio_max"] < 1.1, first
+    # the orchestrator's own step lines, with the reward it logged, echoed by the launcher
+    orch = [line for line in out.stdout.splitlines() if "orchestrator:" in line and "Reward" in line]
+    assert len(orch) >= STEPS, out.stdout[-4000:]
+    assert "prime-trainer: step 2" in out.stdout
+
+
+def test_a_dying_child_stops_the_run_and_is_named(tmp_path: Path) -> None:
+    # prime-rl's orchestrator is killed once it has started: the launcher stops everything else
+    args, env = command(tmp_path, "examples/basic/reverse-text/rl.toml")
+    proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids: dict[str, int] = {}
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        found = re.search(r"started (.+?) \(pid (\d+)\)", line)
+        if found:
+            pids["env server" if "env server" in found.group(1) else found.group(1)] = int(found.group(2))
+        if "orchestrator" in pids:
+            break
+    assert set(pids) == {"env server", "orchestrator"}, pids
+    os.kill(pids["orchestrator"], signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err[-3000:]
+    assert "orchestrator exited with status -9" in err and "orchestrator.log" in err, err[-3000:]
+    assert not alive(pids["env server"])  # stopped with the run: no orphan
