@@ -26,7 +26,7 @@ def _one_line_error(result, command: str) -> str:
 def test_a_mistyped_command_suggests_the_closest_one_fast():
     result = run_floe("trian")
     line = _one_line_error(result, "")
-    assert line == "floe: error: unknown command 'trian'; did you mean 'train'? (commands: train, sft, eval, serve, plot, prime-trainer; floe --help)"
+    assert line == "floe: error: unknown command 'trian'; did you mean 'train'? (commands: train, sft, eval, serve, plot, prime-trainer, prime-rl; floe --help)"
     assert result.cpu_seconds < 1.0, result.cpu_seconds
 
 
