@@ -203,16 +203,19 @@ def test_main_ppo_against_floe_serve(assets):
                 pass
             assert time.monotonic() < deadline, "floe serve not ready"
             time.sleep(0.3)
-        args = grpo_recipe(assets["model"], assets["train"], assets["test"], root / "remote") + [f"+floe.url={url}"]
-        old = os.environ.get("FLOE_TOKEN")
-        os.environ["FLOE_TOKEN"] = token  # the plugin reads it: the token stays off the command line
+        # The plugin reads $FLOE_TOKEN in verl's TaskRunner, a Ray worker: the token stays off the
+        # command line, so this run starts a Ray cluster of its own (workers of the suite's shared
+        # cluster were started before the variable was set; docs/integrations.md).
+        saved = {k: os.environ.pop(k, None) for k in ("RAY_ADDRESS", "FLOE_TOKEN")}
+        os.environ["FLOE_TOKEN"] = token
         try:
+            args = grpo_recipe(assets["model"], assets["train"], assets["test"], root / "remote") + [f"+floe.url={url}"]
             run = run_main_ppo(args, root / "remote.log")
         finally:
-            if old is None:
-                os.environ.pop("FLOE_TOKEN")
-            else:
-                os.environ["FLOE_TOKEN"] = old
+            for k, v in saved.items():
+                os.environ.pop(k, None)
+                if v is not None:
+                    os.environ[k] = v
         print(f"verl main_ppo on floe (floe serve): {run.seconds:.0f} s")
         check_run(run, assets["model"])
         assert f"floe backend at {url} (given)" in run.log
