@@ -43,7 +43,7 @@ KL_TOLERANCE = 1e-3  # mean k3 KL(sampler || policy) per token at step 1: same w
 def stubs() -> str:
     path = os.environ.get("FLOE_PRIME_RL_CPU_STUBS", "")
     if not path or not Path(path, "sitecustomize.py").is_file():
-        pytest.skip("FLOE_PRIME_RL_CPU_STUBS: the CPU import stand-ins (scripts/prime_rl/cpu_stubs.sh; set by scripts/ci/prime-rl.sh)")
+        pytest.fail("FLOE_PRIME_RL_CPU_STUBS missing: the CPU import stand-ins (scripts/prime_rl/cpu_stubs.sh; set by scripts/ci/prime-rl.sh)")
     return path
 
 

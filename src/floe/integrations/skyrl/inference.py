@@ -178,7 +178,8 @@ class FloeInferenceClient(InferenceEngineInterface):
         raise NotImplementedError("weights reach floe's sampler through sync_weights, not SkyRL's weight transfer")
 
     async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
-        raise NotImplementedError("LoRA adapters are not supported by floe's SkyRL plugin")
+        raise NotImplementedError("a LoRA policy reaches floe's sampler as merged weights through sync_weights "
+                                  "([lora] in the backend), not as an adapter file")
 
     async def teardown(self) -> None:
         return None
