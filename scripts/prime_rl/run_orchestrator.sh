@@ -10,7 +10,7 @@
 #                                            (a multi-turn verifiers 0.4.0 environment)
 #   orchestrator        (prime-rl's, 3.12)   unchanged; config scripts/prime_rl/orch.toml
 #   floe prime-trainer  (.venv)              @ scripts/prime_rl/rl.toml @ recipes/prime_rl/floe.toml
-# The orchestrator writes rollouts/step_N/rank_0.bin, the trainer trains on them through floe
+# The orchestrator sends each step's rollouts over zmq (prime-rl's default), the trainer trains on them through floe
 # serve and publishes broadcasts/step_N/STABLE, the orchestrator's watcher sees it, calls
 # floe serve's /update_weights and goes on. Success = both prime-rl processes exit 0 after
 # MAX_STEPS steps; the script then prints the step lines of every log.

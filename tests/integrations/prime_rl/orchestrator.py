@@ -81,13 +81,14 @@ def write_step(run_dir: Path, step: int, client: floe.Client) -> list[TrainingSa
     return samples
 
 
-def serve_steps(run_dir: Path, client: floe.Client, steps: int, errors: list[BaseException]) -> threading.Thread:
-    """prime-rl's orchestrator loop in a thread: for step 1..steps, wait for broadcasts/step_{n-1}/STABLE,
+def serve_steps(run_dir: Path, client: floe.Client, steps: int, errors: list[BaseException],
+                first: int = 1) -> threading.Thread:
+    """prime-rl's orchestrator loop in a thread: for step first..steps, wait for broadcasts/step_{n-1}/STABLE,
     then write step n's rollouts sampled by `client` (a fork of the trainer's). Errors go to `errors`."""
 
     def loop() -> None:
         try:
-            for step in range(1, steps + 1):
+            for step in range(first, steps + 1):
                 marker = broadcast_dir(run_dir, step - 1) / STABLE
                 while not marker.exists():
                     time.sleep(0.02)

@@ -6,7 +6,8 @@ The recipe file is prime-rl's, unchanged; the command overrides only:
                  --orchestrator.renderer.name default (the recipe picks prime-qwen3 for its Qwen3
                  model: that renderer needs Qwen3's special tokens)
   sizes / steps  batch_size 4, group_size 2, seq_len 256, max_completion_tokens 8, max_steps 2
-  placement      orchestrator.model.client.base_url (a free port: floe serve binds it), output_dir
+  placement      orchestrator.model.client.base_url (a free port: floe serve binds it), output_dir,
+                 rollout_transport.port (free ports for prime-rl's default zmq transport; type = "zmq")
   algorithm      orchestrator.train.filter_zero_advantages false: a random-init model never writes
                  the <reversed_text> tags, every reward is 0, and prime-rl would drop every sample
                  (10 empty batches, then it stops)
@@ -15,6 +16,10 @@ reads a local directory of that name first, so the test writes 16 rows of the sa
 ({"prompt": text}) to <cwd>/PrimeIntellect/Reverse-Text-RL/train.jsonl and runs from that cwd.
 CPU only: prime-rl's orchestrator imports GPU-only packages at module load; CI puts the import
 stand-ins of scripts/prime_rl/cpu_stubs.sh on its PYTHONPATH ($FLOE_PRIME_RL_CPU_STUBS).
+The taskset's harness (verifiers' `null` harness) is a PEP 723 script whose unpinned dependencies
+`uv sync --script` resolves at run time: UV_EXCLUDE_NEWER, the newest upload in prime-rl's uv.lock,
+resolves them as of prime-rl's pin (a later openai broke that harness's httpx timeout), in a uv
+cache of the test's own Python environment (an environment resolved earlier elsewhere is not reused).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -47,16 +53,25 @@ def stubs() -> str:
     return path
 
 
-def command(tmp: Path, recipe: str) -> tuple[list[str], dict[str, str]]:
-    """`floe prime-rl @ <prime-rl's recipe> @ floe.toml` with the overrides of the module doc, and its env."""
-    model = make_tiny(tmp / "tiny", hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+def lock_date(root: Path) -> str:
+    """The newest `upload-time` in prime-rl's uv.lock: the moment its pin was resolved."""
+    return max(re.findall(r'upload-time = "([^"]+)"', (root / "uv.lock").read_text()))
+
+
+def command(tmp: Path, recipe: str, *extra: str) -> tuple[list[str], dict[str, str]]:
+    """`floe prime-rl @ <prime-rl's recipe> @ floe.toml` with the overrides of the module doc (then
+    `extra`), and its env. The model and data are made once per `tmp`."""
+    model = tmp / "tiny"
+    if not model.exists():
+        make_tiny(model, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
     data = tmp / "PrimeIntellect" / "Reverse-Text-RL"
-    data.mkdir(parents=True)
+    data.mkdir(parents=True, exist_ok=True)
     rng = random.Random(0)
     (data / "train.jsonl").write_text("".join(json.dumps({"prompt": "".join(rng.choice("abcdefgh ") for _ in range(8))})
                                               + "\n" for _ in range(16)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), stubs()]), "HF_HUB_OFFLINE": "1",
-           "WANDB_MODE": "disabled", "CUDA_VISIBLE_DEVICES": ""}
+           "WANDB_MODE": "disabled", "CUDA_VISIBLE_DEVICES": "",
+           "UV_EXCLUDE_NEWER": lock_date(prime_rl_root()), "UV_CACHE_DIR": str(Path(sys.prefix) / "uv-cache")}
     args = [sys.executable, "-m", "floe.cli", "prime-rl", "@", str(prime_rl_root() / recipe),
             "@", str(ROOT / "recipes/prime_rl/floe.toml"),
             "--model.name", str(model), "--orchestrator.renderer.name", "default",
@@ -64,12 +79,25 @@ def command(tmp: Path, recipe: str) -> tuple[list[str], dict[str, str]]:
             "--orchestrator.train.sampling.max-completion-tokens", "8", "--max-steps", str(STEPS),
             "--orchestrator.train.filter-zero-advantages", "false",
             "--orchestrator.model.client.base-url", f"http://127.0.0.1:{free_port()}/v1",
-            "--output-dir", str(tmp / "outputs")]
+            "--rollout-transport.type", "zmq", "--rollout-transport.port", str(zmq_port()),
+            "--output-dir", str(tmp / "outputs"), *extra]
     return args, env
 
 
-def launch(tmp: Path, recipe: str, timeout_s: float = 800) -> subprocess.CompletedProcess[str]:
-    args, env = command(tmp, recipe)
+def zmq_port() -> int:
+    """A free port whose next port (prime-rl's zmq READY socket) is free too."""
+    while True:
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
+
+
+def launch(tmp: Path, recipe: str, *extra: str, timeout_s: float = 800) -> subprocess.CompletedProcess[str]:
+    args, env = command(tmp, recipe, *extra)
     return subprocess.run(args, check=False, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout_s)
 
 
@@ -81,7 +109,7 @@ def alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").is_file() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
-def test_reverse_text_stock_recipe_runs_through_one_command(tmp_path: Path) -> None:
+def test_reverse_text_stock_recipe_runs_through_one_command_and_resumes(tmp_path: Path) -> None:
     out = launch(tmp_path, "examples/basic/reverse-text/rl.toml")
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     run_dir = tmp_path / "outputs" / "floe-run"
@@ -100,6 +128,25 @@ def test_reverse_text_stock_recipe_runs_through_one_command(tmp_path: Path) -> N
     orch = [line for line in out.stdout.splitlines() if "orchestrator:" in line and "Reward" in line]
     assert len(orch) >= STEPS, out.stdout[-4000:]
     assert "prime-trainer: step 2" in out.stdout
+    assert not list(run_dir.glob("rollouts/step_*/rank_*.bin"))  # they came over zmq
+    # the recipe's [ckpt] (a checkpoint at the end): prime-rl's orchestrator and floe's trainer both wrote step 2
+    final = run_dir / "checkpoints" / f"step_{STEPS}"
+    assert (final / "orchestrator").is_dir() and (final / "trainer" / "floe.json").is_file(), list(final.iterdir())
+
+    # prime-rl's `--resume` (the latest checkpoint), one more step: the orchestrator continues its
+    # progress, the trainer its floe state, and the new step gets the next weights version
+    again = launch(tmp_path, "examples/basic/reverse-text/rl.toml", "--max-steps", str(STEPS + 1), "--resume")
+    assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-4000:]
+    assert f"resuming from step {STEPS}" in again.stdout, again.stdout[-3000:]
+    logs = sorted((run_dir / "logs").glob("attempt_*"))
+    assert len(logs) == 2  # prime-rl's per-attempt log directories
+    assert f"Resuming orchestrator from checkpoint step {STEPS}" in (logs[-1] / "orchestrator.log").read_text()
+    assert f"resumed step {STEPS}" in (logs[-1] / "trainer.log").read_text()
+    reports = [json.loads(line) for line in (run_dir / "floe_trainer.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in reports] == list(range(1, STEPS + 2))
+    assert reports[-1]["weights_version"] == versions[-1] + 1
+    assert abs(reports[-1]["metrics"]["kl_sampler_k3"]) < KL_TOLERANCE  # sampled by the restored policy
+    assert (run_dir / "checkpoints" / f"step_{STEPS + 1}" / "trainer" / "floe.json").is_file()
 
 
 def test_a_dying_child_stops_the_run_and_is_named(tmp_path: Path) -> None:

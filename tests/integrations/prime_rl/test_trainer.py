@@ -13,12 +13,20 @@ import pytest
 import torch
 
 import floe
-from floe.errors import InvalidInput
+from floe.errors import InvalidInput, StateError
 from floe.integrations.prime_rl.batch import to_floe_batch
+from floe.integrations.prime_rl.checkpoint import read_checkpoint
 from floe.integrations.prime_rl.config import parse_config
-from floe.integrations.prime_rl.formats import STABLE, broadcast_dir, read_marker, read_micro_batches, rollout_path
+from floe.integrations.prime_rl.formats import (
+    STABLE,
+    broadcast_dir,
+    read_marker,
+    read_micro_batches,
+    rollout_path,
+    unpublish,
+)
 from floe.integrations.prime_rl.trainer import run
-from tests.integrations.prime_rl.orchestrator import make_samples, pack, write_step
+from tests.integrations.prime_rl.orchestrator import make_samples, pack, serve_steps, write_step
 
 KL_TAU = 0.05
 # floe serve's [optimizer] as prime-rl's default AdamW trains (optim.PrimeOptim().serve_optimizer()).
@@ -138,8 +146,18 @@ def test_packing_round_trip_and_refusals(make_client) -> None:
 
 
 @pytest.mark.parametrize(("over", "field"), [
-    ({"rollout_transport": {"type": "zmq"}}, "rollout_transport.type"),
-    ({"rollout_transport": {}}, "rollout_transport.type"),
+    ({"rollout_transport": {"type": "tcp"}}, "rollout_transport.type"),
+    ({"rollout_transport": {"type": "zmq", "port": 0}}, "rollout_transport.port"),
+    ({"rollout_transport": {"type": "zmq", "hwm": 10, "hots": "x"}}, "rollout_transport.hots"),
+    ({"trainer": {"rollout_transport": {"type": "filesystem", "host": "x"}}}, "trainer.rollout_transport.host"),
+    ({"ckpt": {"intervall": 2}}, "ckpt.intervall"),
+    ({"ckpt": {"interval": 0}}, "ckpt.interval"),
+    ({"trainer": {"ckpt": {"skip_optimizer": True}}}, "trainer.ckpt.skip_optimizer"),
+    ({"ckpt": {"skip_optimizer": False}}, "ckpt.skip_optimizer"),  # a trainer-only key
+    ({"resume": {"step": 0}}, "resume.step"),
+    ({"resume": {"step": 2, "dir": "x/step_2"}}, "resume.step"),
+    ({"resume": {"dir": "x/latest"}}, "resume.dir"),
+    ({"resume": 3}, "resume"),
     ({"run": {}}, "run.name"),
     ({"max_steps": 0}, "max_steps"),
     ({"floe": {"urll": "x"}}, "floe.urll"),
@@ -169,6 +187,80 @@ def test_overlay_and_cli(tmp_path: Path, capsys) -> None:
     cfg = parse_config(load_layers([root / "recipes/prime_rl/floe.toml"], {"max_steps": 2}))
     assert (cfg.loss.name, cfg.url, cfg.run_dir.name, cfg.max_steps) == ("dppo", "http://127.0.0.1:7000", "floe-run", 2)  # no [floe] url: floe prime-rl starts floe serve
     rl = tmp_path / "rl.toml"
-    rl.write_text('max_steps = 2\n[run]\nname = "x"\n[rollout_transport]\ntype = "zmq"\n')
+    rl.write_text('max_steps = 2\n[run]\nname = "x"\n[rollout_transport]\ntype = "tcp"\n')
     assert main(["prime-trainer", "@", str(rl)]) == 2
     assert "rollout_transport.type" in capsys.readouterr().err
+
+
+def _train(cfg, client: floe.Client, steps: int, first: int = 1) -> tuple[list, list[str]]:
+    """cfg's run through the orchestrator stand-in (steps first..steps); returns (reports, log lines)."""
+    errors: list[BaseException] = []
+    thread = serve_steps(cfg.run_dir, client.fork(), steps, errors, first=first)
+    lines: list[str] = []
+    try:
+        reports = run(cfg, client, log=lines.append)
+    finally:
+        thread.join(60)
+    assert not errors, errors
+    return reports, lines
+
+
+def test_resume_continues_a_crashed_run_exactly(make_client, tmp_path: Path) -> None:
+    # prime-rl's [ckpt] + resume: a run that dies after step 2 of 3 and is resumed ends where an
+    # uninterrupted run ends: same step-3 loss, rate and version, same final weights (AdamW's moments
+    # and step come back with the floe state), and keep_last deleted the older checkpoint.
+    # (the scheduler's position after a restore: test_prime_rl_schedule.py, with prime-rl's own scheduler)
+    trainer = {"loss": {"kl_tau": KL_TAU}, "optim": {"lr": 3e-3}}
+    whole = parse_config(rl_toml(tmp_path / "a", trainer=trainer))
+    a = make_client(seed=0, optimizer=PRIME_ADAMW)
+    reports_a, _ = _train(whole, a, 3)
+
+    ckpt = {"interval": 1, "keep_last": 1}
+    crashed = parse_config(rl_toml(tmp_path / "b", trainer=trainer, ckpt=ckpt,
+                                   floe={"poll_s": 0.05, "wait_timeout_s": 3}))
+    b = make_client(seed=0, optimizer=PRIME_ADAMW)
+    errors: list[BaseException] = []
+    thread = serve_steps(crashed.run_dir, b.fork(), 2, errors)  # the orchestrator dies after step 2
+    with pytest.raises(StateError, match="rollouts/step_3/rank_0.bin"):
+        run(crashed, b, log=lambda line: None)
+    thread.join(60)
+    assert not errors, errors
+    root = crashed.run_dir / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_2"]  # keep_last = 1 deleted step_1
+    marker = read_checkpoint(root / "step_2")
+    assert (marker.step, marker.policy_step) == (2, 2)
+    assert b.list_states() == [marker.state]  # step 1's floe state went with it
+    after_two = b.forward(floe.Batch(_probe(read_micro_batches(rollout_path(crashed.run_dir, 2, 0)))),
+                          temperature=1.0).logprobs
+    b.close()
+
+    resumed = parse_config(rl_toml(tmp_path / "b", trainer=trainer, ckpt=ckpt, resume={}))
+    c = make_client(seed=1, optimizer=PRIME_ADAMW)  # a new server process would start from scratch
+    unpublish(resumed.run_dir, 2)  # as floe prime-rl does before it starts the orchestrator
+    reports_c, lines = _train(resumed, c, 3, first=3)
+    assert "resumed step 2" in lines[0]
+    assert [r.step for r in reports_c] == [3]
+    last_a, last_c = reports_a[-1], reports_c[0]
+    assert last_c.weights_version == last_a.weights_version and last_c.lr == last_a.lr
+    assert last_c.loss == pytest.approx(last_a.loss, abs=1e-7) and abs(last_a.loss) > 1e-4
+    assert last_c.grad_norm == pytest.approx(last_a.grad_norm, rel=1e-5)  # (the on-policy loss barely sees weights)
+    probe = floe.Batch(_probe(read_micro_batches(rollout_path(crashed.run_dir, 2, 0))))
+    final_a = a.forward(probe, temperature=1.0).logprobs
+    final_c = c.forward(probe, temperature=1.0).logprobs
+    diff = max(abs(x - y) for ga, gc in zip(final_a, final_c) for sa, sc in zip(ga, gc) for x, y in zip(sa, sc))
+    moved = max(abs(x - y) for ga, g2 in zip(final_a, after_two) for sa, s2 in zip(ga, g2) for x, y in zip(sa, s2))
+    assert diff < 1e-6 < moved / 100, (diff, moved)  # step 3 changed the policy; both runs changed it alike
+    assert (resumed.run_dir / "checkpoints" / "step_3" / "trainer" / "floe.json").is_file()
+    assert read_marker(broadcast_dir(resumed.run_dir, 2)).weights_version == reports_a[1].weights_version
+
+
+def _probe(micro_batches) -> list[floe.Group]:
+    """Each packed sample's tokens as one group (prompt = the first token): a fixed batch to compare policies."""
+    groups = []
+    for mb in micro_batches:
+        start = 0
+        for length in mb.sequence_lengths:
+            ids = mb.input_ids[start:start + length]
+            groups.append(floe.Group(ids[:1], [floe.Sample(tokens=ids[1:])]))
+            start += length
+    return groups

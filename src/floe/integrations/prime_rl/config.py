@@ -7,9 +7,13 @@ read here; the `[floe]` table (the overlay, recipes/prime_rl/floe.toml) adds flo
                                       ([floe] run_dir replaces it)
   max_steps, trainer.max_steps        steps to train (the trainer's own wins)
   trainer.loss                        mapped by loss_mapping.map_loss, or refused
-  rollout_transport, trainer.rollout_transport   must be type "filesystem"
+  rollout_transport, trainer.rollout_transport   transport.parse_transport: "zmq" (prime-rl's default:
+                                      host, port, hwm) or "filesystem"
   weight_broadcast, trainer.weight_broadcast     must be type "filesystem" (the default)
   trainer.model.lora                  refused (the server's backend decides LoRA)
+  ckpt, trainer.ckpt                  checkpoint.CkptConfig: interval, keep_last, keep_interval, output_dir
+                                      (trainer.ckpt's keys over the shared ones); skip_* refused when true
+  resume, trainer.resume              checkpoint.ResumeConfig: step or dir
   trainer.optim                       optim.parse_optim: lr sets the schedule's peak; betas1/2,
                                       weight_decay, max_norm are checked against the server's
                                       optimizer at start (optim.check_server_optimizer)
@@ -28,18 +32,25 @@ checkpointing, ...); `ignored_trainer_keys` lists them and the trainer prints th
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from floe.errors import InvalidInput
+from floe.integrations.prime_rl.checkpoint import CkptConfig, ResumeConfig
 from floe.integrations.prime_rl.loss_mapping import MappedLoss, map_loss, native_loss
 from floe.integrations.prime_rl.optim import PrimeOptim, PrimeScheduler, parse_optim, parse_scheduler
+from floe.integrations.prime_rl.transport import FileSystemTransport, ZmqTransport, parse_transport
 
 FLOE_KEYS = {"url", "token_env", "ranks", "poll_s", "wait_timeout_s", "run_dir", "loss", "backend", "ready_timeout_s"}
 LAUNCH_KEYS = {"backend", "ready_timeout_s"}  # read by `floe prime-rl` (launch.py), not by the trainer
 READ_TRAINER_KEYS = {"loss", "max_steps", "rollout_transport", "weight_broadcast", "model", "output_dir", "optim",
-                     "scheduler"}
+                     "scheduler", "ckpt", "resume"}
+CKPT_KEYS = {"interval", "keep_last", "keep_interval", "output_dir"}
+# trainer.ckpt keys that change what a resume restores: floe's states restore weights, optimizer and
+# step together, and prime-rl's scheduler position follows the restored optimizer step.
+CKPT_SKIPS = {"skip_progress", "skip_scheduler", "skip_optimizer", "skip_dataloader"}
 
 
 @dataclass
@@ -47,6 +58,9 @@ class PrimeTrainerConfig:
     run_dir: Path
     max_steps: int
     loss: MappedLoss
+    transport: FileSystemTransport | ZmqTransport = field(default_factory=ZmqTransport)
+    ckpt: CkptConfig | None = None  # None: no checkpoints saved
+    resume: ResumeConfig | None = None
     optim: PrimeOptim = field(default_factory=PrimeOptim)
     scheduler: PrimeScheduler = field(default_factory=PrimeScheduler)
     url: str = "http://127.0.0.1:7000"
@@ -97,10 +111,13 @@ def parse_config(data: dict[str, Any]) -> PrimeTrainerConfig:
         raise InvalidInput("max_steps", "set max_steps (or trainer.max_steps): how many steps to train")
     max_steps = _int(steps, "trainer.max_steps" if "max_steps" in trainer else "max_steps", 1)
 
-    transport_field, transport = _type_of(data, "rollout_transport")
-    if transport != "filesystem":
-        raise InvalidInput(transport_field, f"is {transport or 'zmq (the default)'!r}; floe's trainer reads rollouts "
-                           "from the run directory: set [rollout_transport] type = \"filesystem\"")
+    if isinstance(trainer.get("rollout_transport"), dict):
+        transport = parse_transport(trainer["rollout_transport"], "trainer.rollout_transport")
+    else:
+        transport = parse_transport(data.get("rollout_transport"), "rollout_transport")
+    ckpt = _ckpt(data.get("ckpt"), trainer.get("ckpt"))
+    resume = _resume(trainer["resume"], "trainer.resume") if trainer.get("resume") is not None else (
+        _resume(data["resume"], "resume") if data.get("resume") is not None else None)
     broadcast_field, broadcast = _type_of(data, "weight_broadcast")
     if broadcast not in (None, "filesystem"):
         raise InvalidInput(broadcast_field, f"is {broadcast!r}; floe publishes steps as broadcasts/step_N/STABLE: "
@@ -130,6 +147,63 @@ def parse_config(data: dict[str, Any]) -> PrimeTrainerConfig:
         raise InvalidInput("floe.url", f"must be the http(s):// address of `floe serve`, got {url!r}")
     ignored = sorted(f"trainer.{k}" for k in trainer if k not in READ_TRAINER_KEYS)
     ignored += sorted(f"trainer.model.{k}" for k in model if k not in ("name", "lora"))
-    return PrimeTrainerConfig(run_dir=run_dir, max_steps=max_steps, loss=loss, optim=optim, scheduler=scheduler, url=url,
+    return PrimeTrainerConfig(run_dir=run_dir, max_steps=max_steps, loss=loss, transport=transport, ckpt=ckpt,
+                              resume=resume, optim=optim, scheduler=scheduler, url=url,
                               token_env=str(floe.get("token_env", "FLOE_TOKEN")), ranks=ranks, poll_s=float(poll),
                               wait_timeout_s=None if timeout is None else float(timeout), ignored_trainer_keys=ignored)
+
+
+def _positive(value: Any, field_name: str) -> int | None:
+    return None if value is None else _int(value, field_name, 1)
+
+
+def _ckpt(shared: Any, own: Any) -> CkptConfig | None:
+    """prime-rl's trainer checkpoint config: the shared `[ckpt]` leaves under `[trainer.ckpt]`'s."""
+    if shared is None and own is None:
+        return None
+    merged: dict[str, tuple[str, Any]] = {}
+    for prefix, table in (("ckpt", shared), ("trainer.ckpt", own)):
+        if table is None:
+            continue
+        if not isinstance(table, dict):
+            raise InvalidInput(prefix, "must be a table (an empty one turns checkpoints on)")
+        for key, value in table.items():
+            if key in CKPT_SKIPS and prefix == "trainer.ckpt":
+                if value is not False:
+                    raise InvalidInput(f"trainer.ckpt.{key}", "must be false: a floe state restores weights, optimizer "
+                                       "and step together (and prime-rl's scheduler follows the restored step); "
+                                       "remove it")
+                continue
+            if key not in CKPT_KEYS:
+                raise InvalidInput(f"{prefix}.{key}", f"unknown key; [{prefix}] keys: {', '.join(sorted(CKPT_KEYS))}"
+                                   + (f", {', '.join(sorted(CKPT_SKIPS))}" if prefix == "trainer.ckpt" else ""))
+            merged[key] = (f"{prefix}.{key}", value)
+
+    def get(key: str) -> Any:
+        return merged[key][1] if key in merged else None
+
+    out = get("output_dir")
+    if out is not None and not isinstance(out, str):
+        raise InvalidInput(merged["output_dir"][0], f"must be a directory path, got {out!r}")
+    ints = {k: _positive(get(k), merged[k][0] if k in merged else k) for k in ("interval", "keep_last", "keep_interval")}
+    return CkptConfig(output_dir=None if out is None else Path(out), **ints)
+
+
+def _resume(table: Any, prefix: str) -> ResumeConfig:
+    """prime-rl's ResumeConfig: `step` >= 1 or `dir` (a `.../step_N` directory), not both."""
+    if table is True:  # a bare --resume flag
+        table = {}
+    if not isinstance(table, dict):
+        raise InvalidInput(prefix, "must be a table: {} (the latest checkpoint), {step = N} or {dir = \".../step_N\"}")
+    for key in table:
+        if key not in ("step", "dir"):
+            raise InvalidInput(f"{prefix}.{key}", "unknown key; resume keys: dir, step")
+    step = _positive(table.get("step"), f"{prefix}.step")
+    where = table.get("dir")
+    if where is not None:
+        if step is not None:
+            raise InvalidInput(f"{prefix}.step", "resume.step and resume.dir are exclusive: the step is the "
+                               "directory's name")
+        if not isinstance(where, str) or not re.fullmatch(r"step_\d+", Path(where).name):
+            raise InvalidInput(f"{prefix}.dir", f"must point at a checkpoint step directory (.../step_N), got {where!r}")
+    return ResumeConfig(step=step, dir=None if where is None else Path(where))

@@ -138,6 +138,12 @@ def publish(run_dir: Path, marker: BroadcastMarker) -> Path:
     return out
 
 
+def unpublish(run_dir: Path, step: int) -> None:
+    """Remove `broadcasts/step_N/STABLE` (if any): on resume the step's marker is re-published once
+    the trainer has loaded its state, and until then the orchestrator must not take the old one."""
+    (broadcast_dir(run_dir, step) / STABLE).unlink(missing_ok=True)
+
+
 def read_marker(weight_dir: Path, field: str = "weight_dir") -> BroadcastMarker:
     """The marker of a published broadcast directory; InvalidInput naming `field` otherwise."""
     if "\x00" in str(weight_dir):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,14 +35,16 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import urlparse
 
 from floe.config import load_layers, parse_override_value
 from floe.errors import FloeError, InvalidInput
+from floe.integrations.prime_rl.checkpoint import checkpoints_dir, read_checkpoint, resume_step
 from floe.integrations.prime_rl.config import PrimeTrainerConfig, parse_config
+from floe.integrations.prime_rl.formats import unpublish
 
 HOW_TO_GET_PRIME_RL = (
     "prime-rl is not importable in this Python ({python}): run `floe prime-rl` in prime-rl's environment with "
@@ -51,10 +54,11 @@ STRIPPED = ("floe", "inference")  # tables prime-rl's RLConfig does not get (see
 STEP_LINE = re.compile(r"Step \d+")
 
 
-def split_argv(argv: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
-    """(`@ FILE` layers, `--key VALUE` / `--key=VALUE` flags in order) from the command line."""
+def split_argv(argv: list[str]) -> tuple[list[str], list[tuple[str, str | None]]]:
+    """(`@ FILE` layers, `--key VALUE` / `--key=VALUE` flags in order) from the command line; a flag
+    followed by another flag or nothing (prime-rl's bare `--resume`) has the value None."""
     files: list[str] = []
-    flags: list[tuple[str, str]] = []
+    flags: list[tuple[str, str | None]] = []
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -68,12 +72,13 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
             i += 1
         elif arg.startswith("--"):
             key, eq, value = arg[2:].partition("=")
-            if not eq:
-                if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
-                    raise InvalidInput(key, "an override needs a value: --section.key VALUE")
-                value = argv[i + 1]
+            if eq:
+                flags.append((key, value))
+            elif i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                flags.append((key, None))
+            else:
+                flags.append((key, argv[i + 1]))
                 i += 1
-            flags.append((key, value))
             i += 1
         else:
             raise InvalidInput("arguments", f"unexpected {arg!r}; give @ FILE.toml layers and --section.key VALUE flags")
@@ -117,7 +122,7 @@ def import_prime_rl() -> dict[str, Any]:
             "validate_run_dir": validate_run_dir, "DEFAULT_COMMON_ENV_VARS": DEFAULT_COMMON_ENV_VARS}
 
 
-def resolve_rl_config(prime: dict[str, Any], files: list[str], flags: list[tuple[str, str]]) -> Any:
+def resolve_rl_config(prime: dict[str, Any], files: list[str], flags: list[tuple[str, str | None]]) -> Any:
     """prime-rl's RLConfig of the layers and flags, less [floe] and [inference], parsed by prime-rl's
     own `cli` (its `@` merge and `--a.b-c VALUE` flags), as `rl @ ...` would parse them."""
     with tempfile.TemporaryDirectory(prefix="floe-prime-rl-") as tmp:
@@ -129,7 +134,7 @@ def resolve_rl_config(prime: dict[str, Any], files: list[str], flags: list[tuple
             args += ["@", str(out)]
         for key, value in flags:
             if not _stripped(key):
-                args += [f"--{key}", value]
+                args += [f"--{key}"] if value is None else [f"--{key}", value]
         return prime["cli"](prime["RLConfig"], args=args)
 
 
@@ -141,20 +146,19 @@ class Plan:
     trainer: PrimeTrainerConfig
     floe: dict[str, Any]
     inference_keys: list[str]
-    not_applied: list[str] = field(default_factory=list)
 
 
 def plan(argv: list[str], prime: dict[str, Any]) -> Plan:
     """Parse and cross-check the combined config; InvalidInput naming the first bad key."""
     files, flags = split_argv(argv)
-    overrides = {k.replace("-", "_"): parse_override_value(v) for k, v in flags}
+    overrides = {k.replace("-", "_"): True if v is None else parse_override_value(v) for k, v in flags}
     raw = load_layers(list[str | Path](files), overrides)
     trainer = parse_config(raw)  # floe prime-trainer's reading of the same layers
     floe = dict(raw.get("floe") or {})
     rl = resolve_rl_config(prime, files, flags)
-    if rl.resume is not None:
-        raise InvalidInput("resume", "resuming a prime-rl run is not supported by floe prime-rl yet; start a new run "
-                           "(a new run.name)")
+    if (rl.resume is None) != (trainer.resume is None):
+        raise InvalidInput("resume", "prime-rl's config and floe's trainer disagree on resume: set it at the top "
+                           "level ([resume] or --resume)")
     if rl.slurm is not None or rl.deployment.type != "single_node":
         raise InvalidInput("slurm" if rl.slurm is not None else "deployment.type",
                            "floe prime-rl launches on this machine (floe serve places the model: [floe.backend]); "
@@ -178,9 +182,21 @@ def plan(argv: list[str], prime: dict[str, Any]) -> Plan:
     ready = floe.get("ready_timeout_s", 300)
     if isinstance(ready, bool) or not isinstance(ready, (int, float)) or ready <= 0:
         raise InvalidInput("floe.ready_timeout_s", f"must be a number of seconds > 0, got {ready!r}")
-    not_applied = ["trainer.ckpt (prime-rl's trainer checkpoint; floe serve keeps the policy's state)"
-                   ] if rl.trainer.ckpt is not None else []
-    return Plan(rl=rl, trainer=trainer, floe=floe, inference_keys=inference_keys, not_applied=not_applied)
+    return Plan(rl=rl, trainer=trainer, floe=floe, inference_keys=inference_keys)
+
+
+def fork_state(step_dir: Path, state_dir: Path) -> None:
+    """`resume.dir` names another run's checkpoint: copy its floe state (in that run's `floe_states/`,
+    where `floe prime-rl` keeps it) into this run's `state_dir`, so the floe serve started here loads it."""
+    name = read_checkpoint(step_dir).state
+    source = Path(step_dir).resolve().parents[1] / "floe_states" / name
+    target = state_dir / name
+    if target.exists():
+        return
+    if not (source / "state.json").is_file():
+        raise InvalidInput("resume.dir", f"the floe state {name!r} of {step_dir} is not at {source}; copy it into "
+                           f"{state_dir}, or resume through the floe serve that holds it ([floe] url)")
+    shutil.copytree(source, target)
 
 
 def _leaves(table: dict[str, Any], prefix: str) -> list[str]:
@@ -239,18 +255,23 @@ class Launch:
         os.environ.setdefault("PRL_RUN_ID", uuid.uuid4().hex)  # as prime-rl's rl(): every child inherits them
         os.environ["PRL_RUN_NAME"] = rl.run.name
         ckpt_dir = rl.ckpt.output_dir if rl.ckpt else None
-        prime["validate_run_dir"](rl.run_dir, output_dir=rl.output_dir, resuming=False, clean=rl.clean,
-                                  ckpt_output_dir=ckpt_dir)
+        trainer = self.p.trainer
+        prime["validate_run_dir"](rl.run_dir, output_dir=rl.output_dir, resuming=trainer.resume is not None,
+                                  clean=rl.clean, ckpt_output_dir=ckpt_dir)
         rl.run_dir.mkdir(parents=True, exist_ok=True)
-        prime["clean_future_steps"](rl.run_dir, -1)
+        # as prime-rl's rl(): a fresh run wipes every step directory, a resumed one those past its step
+        step = -1 if trainer.resume is None else resume_step(trainer.resume, checkpoints_dir(rl.run_dir, trainer.ckpt))
+        prime["clean_future_steps"](rl.run_dir, step)
+        if trainer.resume is not None:
+            unpublish(rl.run_dir, step)  # the trainer re-publishes it after loading the step's state
         config_dir = prime["get_config_dir"](rl.run_dir)
         prime["write_subconfigs"](rl, config_dir)
         log_dir = prime["create_attempt_log_dir"](rl.run_dir)
         self.say(f"run directory {rl.run_dir}; prime-rl's configs in {config_dir}; logs in {log_dir}")
         if self.p.inference_keys:
             self.say(f"[inference] is served by floe serve; not applied: {', '.join(self.p.inference_keys)}")
-        for line in self.p.not_applied:
-            self.say(f"not applied: {line}")
+        if trainer.resume is not None:
+            self.say(f"resuming from step {step}")
 
         client_cfg = rl.orchestrator.model.client
         if "url" in floe:
@@ -261,7 +282,10 @@ class Launch:
 
             _, port = serve_address(client_cfg.base_url[0] if isinstance(client_cfg.base_url, list)
                                     else client_cfg.base_url)
-            backend = {"model": rl.trainer.model.name, "state_dir": str(rl.run_dir / "floe_states"),
+            state_dir = rl.run_dir / "floe_states"
+            if trainer.resume is not None and trainer.resume.dir is not None:
+                fork_state(trainer.resume.dir, state_dir)
+            backend = {"model": rl.trainer.model.name, "state_dir": str(state_dir),
                        "optimizer": self.p.trainer.optim.serve_optimizer(),
                        **floe.get("backend", {})}
             serve_log = log_dir / "floe_serve.log"
