@@ -18,7 +18,10 @@
 # modules whose attributes are inert stand-ins (a stand-in called, indexed or subclassed gives
 # another one: module-level decorators such as `@tilelang.jit(...)` load; nothing computes).
 # Distribution metadata makes transformers see flash_attn 2.8.3 (ring_flash_attn checks it) and
-# torchao 0.0.0 (below transformers' minimum, so its torchao integration stays off).
+# torchao 0.17.0: peft raises for a torchao below its 0.16 minimum, and the floe serve that
+# `floe prime-rl` starts (the same environment) builds peft LoRA adapters (alphabet-sort); with
+# it, peft asks whether a layer's weight is a torchao tensor (a stand-in class: never) and wraps
+# the plain layer, and transformers uses torchao only for torchao quantization configs.
 set -euo pipefail
 STUBS=${1:?usage: cpu_stubs.sh DIR}
 mkdir -p "$STUBS"
@@ -78,4 +81,5 @@ dist() {  # name version: an installed-distribution record for importlib.metadat
   printf '%s\n' "$1" > "$STUBS/$1-$2.dist-info/top_level.txt"
 }
 dist flash_attn 2.8.3
-dist torchao 0.0.0
+rm -rf "$STUBS"/torchao-*.dist-info
+dist torchao 0.17.0

@@ -178,6 +178,11 @@ class LoraConfig(StrictModel):
         "all-linear", description='peft `target_modules`: module names (last part, e.g. ["q_proj", "v_proj"]) or '
         '"all-linear" (every linear layer but the LM head, peft\'s meaning)'
     )
+    missing_targets: Literal["error", "ignore"] = Field(
+        "error", description='a target_modules name no linear layer of the model has: "error" (InvalidInput naming '
+        'it), or "ignore" (peft\'s own rule: it matches nothing; at least one name must match), for lists written for '
+        "several architectures, such as prime-rl's default"
+    )
     exclude_modules: list[str] = Field(default_factory=list, description="peft `exclude_modules`: names never adapted")
     init: Literal["kaiming", "gaussian"] = Field(
         "kaiming", description="A's initialisation (B starts at 0): peft's default kaiming-uniform (init_lora_weights "

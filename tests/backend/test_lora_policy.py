@@ -97,7 +97,7 @@ def test_base_frozen_reference_is_base_and_sampler_gets_merged_weights(make_clie
         assert live_t is not None and torch.equal(live_t, t), name
     assert client.forward(batch, zone="reference").logprobs == before_ref  # the reference is the frozen base
     assert client.info().capabilities["lora"] == {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear",
-                                                  "exclude_modules": [], "init": "kaiming"}
+                                                  "missing_targets": "error", "exclude_modules": [], "init": "kaiming"}
 
     client.sync_weights()
     merged = host.merged_state_dict("policy")
@@ -167,6 +167,8 @@ def test_target_modules_and_exclude_modules_choose_the_adapted_layers(make_clien
     everything = adapted({})  # "all-linear": every linear layer but the LM head
     assert "lm_head" not in everything and {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"} <= everything
     assert adapted({"exclude_modules": ["down_proj", "o_proj"]}) == everything - {"down_proj", "o_proj"}
+    # a list written for several architectures (prime-rl's default): names this model lacks match nothing
+    assert adapted({"target_modules": ["q_proj", "experts", "fc1_latent_proj"], "missing_targets": "ignore"}) == {"q_proj"}
 
 
 @pytest.mark.parametrize(("lora", "field"), [
@@ -188,6 +190,9 @@ def test_bad_lora_keys_are_refused_by_name(lora, field):
 def test_lora_names_the_models_modules_and_refuses_ray_and_tied_heads(make_client, tmp_path):
     with pytest.raises(InvalidInput) as e:
         make_client(lora={**LORA, "target_modules": ["qkv_proj"]})
+    assert e.value.field == "lora.target_modules" and "q_proj" in str(e.value)
+    with pytest.raises(InvalidInput) as e:  # "ignore" still needs one name that matches
+        make_client(lora={**LORA, "target_modules": ["qkv_proj", "experts"], "missing_targets": "ignore"})
     assert e.value.field == "lora.target_modules" and "q_proj" in str(e.value)
     with pytest.raises(InvalidInput) as e:
         make_client(lora={**LORA, "exclude_modules": ["nope"]})

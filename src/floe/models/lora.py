@@ -109,14 +109,16 @@ def lora_config(spec: LoraSpec, present: set[str]) -> LoraConfig:
 def backend_lora_config(lora: FloeLoraConfig, model: torch.nn.Module) -> LoraConfig:
     """The peft config of a BackendConfig's `[lora]` for `model` (before any adapter):
     InvalidInput naming the `lora.*` key for a target or excluded name no linear layer of the
-    model has, and for an adapted LM head whose weight is tied to the input embeddings (the
+    model has (a target only with missing_targets = "error", or when no target matches), and for an adapted LM head whose weight is tied to the input embeddings (the
     sampler's model keeps one tensor for both, so merged weights could not be synced)."""
     present = _module_names(model)
-    if isinstance(lora.target_modules, list):
-        missing = [n for n in lora.target_modules if n not in present]
-        if missing:
+    targets = lora.target_modules
+    if isinstance(targets, list):
+        missing = [n for n in targets if n not in present]
+        if missing and (lora.missing_targets == "error" or len(missing) == len(targets)):
             raise InvalidInput("lora.target_modules", f"this model has no linear layer named {missing}; "
                                f"its linear layers are {sorted(present)}")
+        targets = [n for n in targets if n in present]
     unknown = [n for n in lora.exclude_modules if n not in present]
     if unknown:
         raise InvalidInput("lora.exclude_modules", f"this model has no linear layer named {unknown}; "
@@ -126,12 +128,12 @@ def backend_lora_config(lora: FloeLoraConfig, model: torch.nn.Module) -> LoraCon
     embed = hf.get_input_embeddings() if hasattr(hf, "get_input_embeddings") else None
     head_name = next((n.rsplit(".", 1)[-1] for n, m in model.named_modules() if m is head), None)
     if (head is not None and embed is not None and head.weight is embed.weight and isinstance(lora.target_modules, list)
-            and head_name in lora.target_modules):
+            and head_name in targets):
         raise InvalidInput("lora.target_modules", f"{head_name!r} is tied to the input embeddings in this model; "
                            "an adapted head cannot be synced as merged weights; remove it")
     return LoraConfig(
         r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0, bias="none",  # type: ignore[arg-type]  # peft: alpha / r in float
-        target_modules=lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules),
+        target_modules=targets,
         exclude_modules=list(lora.exclude_modules) or None,
         init_lora_weights=True if lora.init == "kaiming" else "gaussian",
     )

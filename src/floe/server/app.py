@@ -11,7 +11,7 @@
   /api/v1/...                the Tinker protocol (protocols/tinker/), X-API-Key auth
   /v1/...                    OpenAI-compatible sampling (protocols/openai.py); errors there
                              in OpenAI's shape, so the openai SDK shows them
-  /inference/v1/generate, /pause, /resume, /update_weights, /liveness
+  /inference/v1/generate, /pause, /resume, /update_weights, /load_lora_adapter, /liveness
                              vLLM's token-in/token-out API and the admin calls prime-rl's
                              orchestrator makes around weight updates (protocols/vllm_compat.py)
 
@@ -101,7 +101,7 @@ def create_app(backend: Backend, config: ServerConfig) -> FastAPI:
         return respond(request.url.path, ApiError(422, "invalid_input", str(first.get("msg", "invalid request")), field))
 
     # Registered before `observe`, so `observe` (outside it) answers the pause gate's refusals.
-    install_vllm_compat(app, state)  # /inference/v1/generate, /pause, /resume, /update_weights (prime-rl)
+    install_vllm_compat(app, state)  # /inference/v1/generate, /pause, /resume, /update_weights, ... (prime-rl)
 
     @app.middleware("http")
     async def observe(request: Request, call_next: Any) -> Response:

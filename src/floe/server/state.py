@@ -45,7 +45,15 @@ class ServerState:
         self.ledger = Ledger(config.result_window, config.max_clients, config.sequence_timeout_s)
         self.draining = False
         self.model_name = config.served_model_name or default_model_id(backend.config.model)
+        # LoRA adapter names given to vLLM's /load_lora_adapter (protocols/vllm_compat.py): the
+        # sampler serves the policy's merged weights, so each is another name of the served model.
+        self.adapter_names: set[str] = set()
         self.metrics.observe_state(backend.info())
+
+    def serves(self, model: str) -> bool:
+        """Whether sampling requests may name `model`: the served name, the backend's model, or a
+        loaded adapter's name (`adapter_names`)."""
+        return model in (self.model_name, self.backend.config.model) or model in self.adapter_names
 
     def execute(self, op: str, body: bytes) -> Reply:
         """Decode, run and encode one operation; every failure becomes an error reply."""

@@ -58,30 +58,39 @@ def lock_date(root: Path) -> str:
     return max(re.findall(r'upload-time = "([^"]+)"', (root / "uv.lock").read_text()))
 
 
-def command(tmp: Path, recipe: str, *extra: str) -> tuple[list[str], dict[str, str]]:
+def command(tmp: Path, recipe: str, *extra: str, seq_len: int = 256) -> tuple[list[str], dict[str, str]]:
     """`floe prime-rl @ <prime-rl's recipe> @ floe.toml` with the overrides of the module doc (then
-    `extra`), and its env. The model and data are made once per `tmp`."""
+    `extra`), and its env. The model and both tasksets' data are made once per `tmp`."""
     model = tmp / "tiny"
     if not model.exists():
-        make_tiny(model, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
-    data = tmp / "PrimeIntellect" / "Reverse-Text-RL"
-    data.mkdir(parents=True, exist_ok=True)
+        make_tiny(model, hidden_size=32, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=2048)
     rng = random.Random(0)
-    (data / "train.jsonl").write_text("".join(json.dumps({"prompt": "".join(rng.choice("abcdefgh ") for _ in range(8))})
-                                              + "\n" for _ in range(16)))
+    write_rows(tmp / "PrimeIntellect" / "Reverse-Text-RL",
+               [{"prompt": "".join(rng.choice("abcdefgh ") for _ in range(8))} for _ in range(16)])
+    # alphabet-sort's source (kalomaze/alphabetic-arxiv-authors-it1): lists of "First Last" names, long
+    # enough for the recipe's 3 to 5 turns of 1 to 5 names each
+    write_rows(tmp / "kalomaze" / "alphabetic-arxiv-authors-it1",
+               [{"names": [f"{rng.choice('ABCDEFGH')}{rng.choice('aeiou')} {rng.choice('KLMNPRST')}{rng.choice('aeiou')}"
+                           for _ in range(30)]} for _ in range(8)])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), stubs()]), "HF_HUB_OFFLINE": "1",
            "WANDB_MODE": "disabled", "CUDA_VISIBLE_DEVICES": "",
            "UV_EXCLUDE_NEWER": lock_date(prime_rl_root()), "UV_CACHE_DIR": str(Path(sys.prefix) / "uv-cache")}
     args = [sys.executable, "-m", "floe.cli", "prime-rl", "@", str(prime_rl_root() / recipe),
             "@", str(ROOT / "recipes/prime_rl/floe.toml"),
             "--model.name", str(model), "--orchestrator.renderer.name", "default",
-            "--orchestrator.batch-size", "4", "--orchestrator.group-size", "2", "--seq-len", "256",
+            "--orchestrator.batch-size", "4", "--orchestrator.group-size", "2", "--seq-len", str(seq_len),
             "--orchestrator.train.sampling.max-completion-tokens", "8", "--max-steps", str(STEPS),
             "--orchestrator.train.filter-zero-advantages", "false",
             "--orchestrator.model.client.base-url", f"http://127.0.0.1:{free_port()}/v1",
             "--rollout-transport.type", "zmq", "--rollout-transport.port", str(zmq_port()),
             "--output-dir", str(tmp / "outputs"), *extra]
     return args, env
+
+
+def write_rows(directory: Path, rows: list[dict]) -> None:
+    """A local dataset directory of that hub id (datasets' load_dataset reads it offline)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
 def zmq_port() -> int:
@@ -96,8 +105,8 @@ def zmq_port() -> int:
                 continue
 
 
-def launch(tmp: Path, recipe: str, *extra: str, timeout_s: float = 800) -> subprocess.CompletedProcess[str]:
-    args, env = command(tmp, recipe, *extra)
+def launch(tmp: Path, recipe: str, *extra: str, timeout_s: float = 800, seq_len: int = 256) -> subprocess.CompletedProcess[str]:
+    args, env = command(tmp, recipe, *extra, seq_len=seq_len)
     return subprocess.run(args, check=False, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout_s)
 
 
@@ -147,6 +156,37 @@ def test_reverse_text_stock_recipe_runs_through_one_command_and_resumes(tmp_path
     assert reports[-1]["weights_version"] == versions[-1] + 1
     assert abs(reports[-1]["metrics"]["kl_sampler_k3"]) < KL_TOLERANCE  # sampled by the restored policy
     assert (run_dir / "checkpoints" / f"step_{STEPS + 1}" / "trainer" / "floe.json").is_file()
+
+
+def test_alphabet_sort_stock_recipe_trains_its_lora_adapter_over_several_turns(tmp_path: Path) -> None:
+    # examples/basic/alphabet-sort: multi-turn (3 to 5 user turns per episode) with trainer.model.lora
+    # (rank 32, alpha 64): floe serve trains that adapter, prime-rl's orchestrator syncs it through
+    # /load_lora_adapter and samples by the adapter's name, as it does with vLLM. (A random model
+    # earns reward 0 here, so these steps do not move the adapter; test_trainer.py and
+    # test_vllm_compat.py show the adapter training and being served.)
+    out = launch(tmp_path, "examples/basic/alphabet-sort/rl.toml", seq_len=2048)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    run_dir = tmp_path / "outputs" / "floe-run"
+    reports = [json.loads(line) for line in (run_dir / "floe_trainer.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in reports] == list(range(1, STEPS + 1))
+    versions = [r["weights_version"] for r in reports]
+    assert versions == sorted(set(versions)) and len(versions) == STEPS
+    first = reports[0]["metrics"]
+    assert abs(first["kl_sampler_k3"]) < KL_TOLERANCE, first  # sampled by the policy the trainer holds
+    logs = next((run_dir / "logs").glob("attempt_*"))
+    assert "the server trains a LoRA adapter (rank 32, alpha 64.0)" in (logs / "trainer.log").read_text()
+    # prime-rl's auto_setup_lora gave the orchestrator the adapter's name: with it set, prime-rl's
+    # update_weights posts /load_lora_adapter (raise_for_status: a refusal stops the run) and every
+    # request names the adapter (a 404 otherwise), so exit 0 means floe serve answered both
+    orch_config = json.loads((run_dir / "configs" / "orchestrator.json").read_text())
+    assert orch_config["model"]["lora"]["name"] == "r32-a64.0", orch_config["model"]
+    orch = [line for line in out.stdout.splitlines() if "orchestrator:" in line and "Reward" in line]
+    assert len(orch) >= STEPS, out.stdout[-4000:]
+    # every episode ran the recipe's 3 to 5 turns (prime-rl's orchestrator metrics, per step)
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    turns = [(m["train/alphabet-sort/all/num_turns/min"], m["train/alphabet-sort/all/num_turns/max"])
+             for m in metrics if "train/alphabet-sort/all/num_turns/min" in m]
+    assert len(turns) == STEPS and all(3 <= lo <= hi <= 5 for lo, hi in turns), turns
 
 
 def test_a_dying_child_stops_the_run_and_is_named(tmp_path: Path) -> None:

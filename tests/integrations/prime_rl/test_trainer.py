@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import floe
+from floe.config import LoraConfig
 from floe.errors import InvalidInput, StateError
 from floe.integrations.prime_rl.batch import to_floe_batch
 from floe.integrations.prime_rl.checkpoint import read_checkpoint
@@ -25,7 +26,9 @@ from floe.integrations.prime_rl.formats import (
     rollout_path,
     unpublish,
 )
+from floe.integrations.prime_rl.lora import PRIME_DEFAULTS, server_lora
 from floe.integrations.prime_rl.trainer import run
+from tests.conftest import backend_of
 from tests.integrations.prime_rl.orchestrator import make_samples, pack, serve_steps, write_step
 
 KL_TAU = 0.05
@@ -170,7 +173,11 @@ def test_packing_round_trip_and_refusals(make_client) -> None:
     ({"trainer": {"scheduler": {"type": "cosine", "warmup_steps": 3}}}, "trainer.scheduler.warmup_steps"),
     ({"trainer": {"scheduler": {"type": "linear", "warmup_steps": 0, "decay_steps": 0}}}, "trainer.scheduler.warmup_steps"),
     ({"trainer": {"scheduler": {"type": "linear", "warmup_steps": 2, "decay_steps": 2}}}, "trainer.scheduler.decay_steps"),
-    ({"trainer": {"model": {"lora": {"rank": 8}}}}, "trainer.model.lora"),
+    ({"trainer": {"model": {"lora": {"rank": 0}}}}, "trainer.model.lora.rank"),
+    ({"trainer": {"model": {"lora": {"rank": 8, "dropout": 0.1}}}}, "trainer.model.lora.dropout"),
+    ({"trainer": {"model": {"lora": {"modules_to_save": ["lm_head"]}}}}, "trainer.model.lora.modules_to_save"),
+    ({"trainer": {"model": {"lora": {"target_modules": [".*_proj"]}}}}, "trainer.model.lora.target_modules"),
+    ({"trainer": {"model": {"lora": {"rnak": 8}}}}, "trainer.model.lora.rnak"),
     ({"trainer": {"loss": {"dppo_mask_low": -0.1}}}, "trainer.loss.dppo_mask_low"),
 ])
 def test_config_refusals(tmp_path: Path, over: dict, field: str) -> None:
@@ -190,6 +197,39 @@ def test_overlay_and_cli(tmp_path: Path, capsys) -> None:
     rl.write_text('max_steps = 2\n[run]\nname = "x"\n[rollout_transport]\ntype = "tcp"\n')
     assert main(["prime-trainer", "@", str(rl)]) == 2
     assert "rollout_transport.type" in capsys.readouterr().err
+
+
+def test_lora_recipe_trains_the_servers_adapter_and_a_mismatch_stops_first(make_client, tmp_path: Path) -> None:
+    # alphabet-sort's trainer.model.lora (rank 32, alpha 64, prime-rl's default targets): the adapter
+    # of floe serve's [backend.lora] (lora.server_lora, as floe prime-rl starts it); the run checks
+    # the server's adapter, then trains only the adapter's A and B; a server without it is refused
+    # before anything is published.
+    lora = {"rank": 4, "alpha": 8}
+    cfg = parse_config(rl_toml(tmp_path / "a", max_steps=2, trainer={"loss": {"kl_tau": KL_TAU}, "model": {"lora": lora}}))
+    assert cfg.lora == LoraConfig(rank=4, alpha=8.0, target_modules=PRIME_DEFAULTS["target_modules"], missing_targets="ignore")
+    backend = server_lora(cfg.lora, {"seed": 0, "optimizer": PRIME_ADAMW})
+    with pytest.raises(InvalidInput) as e:
+        server_lora(cfg.lora, {"lora": {"rank": 8, "alpha": 8.0}})
+    assert e.value.field == "floe.backend.lora"
+
+    plain = make_client(seed=0, optimizer=PRIME_ADAMW)
+    with pytest.raises(InvalidInput) as e:
+        run(cfg, plain, log=lambda line: None)
+    assert e.value.field == "trainer.model.lora" and "[backend.lora] rank = 4, alpha = 8.0" in e.value.message
+    assert not (cfg.run_dir / "broadcasts").exists()
+
+    client = make_client(**backend)
+    policy = backend_of(client).policy
+    start = {k: v.clone() for k, v in policy.model.state_dict().items()}  # the trained tensors: the adapter alone
+    assert {k.split(".")[-2] for k in start} == {"lora_A", "lora_B"}
+    assert {k.split(".")[-3] for k in start} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    reports, lines = _train(cfg, client, 2)
+    assert [r.step for r in reports] == [1, 2] and any("LoRA adapter (rank 4, alpha 8.0)" in line for line in lines)
+    after = policy.model.state_dict()
+    assert any(not torch.equal(after[k], start[k]) for k in start if "lora_B" in k)  # B left 0: the adapter trained
+    with pytest.raises(InvalidInput) as e:  # and the other way round: the server's adapter, no recipe LoRA
+        run(parse_config(rl_toml(tmp_path / "b")), make_client(**backend), log=lambda line: None)
+    assert e.value.field == "trainer.model.lora"
 
 
 def _train(cfg, client: floe.Client, steps: int, first: int = 1) -> tuple[list, list[str]]:

@@ -1,9 +1,11 @@
 """The vLLM / prime-rl endpoints of `floe serve` over real HTTP: token-in/token-out generate with
 log-probs equal to the policy's forward, /v1/models' max_model_len, /pause holding sampling
-until /resume, /update_weights checking the published version, and field-named refusals."""
+until /resume, /update_weights and /load_lora_adapter checking the published version, and
+field-named refusals."""
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from pathlib import Path
@@ -13,6 +15,9 @@ import pytest
 
 import floe
 from floe.integrations.prime_rl.formats import BroadcastMarker, publish
+from floe.models import make_tiny
+from tests.integrations.prime_rl.conftest import TOKEN
+from tests.server.conftest import ServerProcess, free_port
 
 
 def post(server, path: str, **kw) -> httpx.Response:
@@ -110,3 +115,60 @@ def test_generate_takes_the_orchestrators_sampling_params(prime_server) -> None:
     assert got["token_ids"] == want["token_ids"]
     assert [c["logprob"] for c in got["logprobs"]["content"]] == pytest.approx(
         [c["logprob"] for c in want["logprobs"]["content"]], abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def lora_server(tmp_path_factory: pytest.TempPathFactory):
+    """floe serve training a LoRA adapter, as `floe prime-rl` starts it for trainer.model.lora."""
+    tmp = tmp_path_factory.mktemp("prime-lora")
+    model = make_tiny(tmp / "tiny", hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    config = tmp / "serve.toml"
+    config.write_text(f'[backend]\nmodel = "{model}"\nstate_dir = "{tmp / "states"}"\nseed = 0\n\n'
+                      '[backend.lora]\nrank = 4\nalpha = 8.0\ntarget_modules = ["q_proj", "v_proj"]\n')
+    proc = ServerProcess(config, free_port(), tmp / "server.log", token=TOKEN).wait_ready()
+    yield proc
+    proc.stop(signal.SIGKILL)
+
+
+def test_load_lora_adapter_names_the_trained_policy(lora_server, prime_server, tmp_path: Path) -> None:
+    """prime-rl's LoRA sync: after the trainer's step the orchestrator posts /load_lora_adapter
+    (its adapter name, the published step) and then samples with model = that name. floe serve
+    checks the step like /update_weights and serves the merged policy under the name."""
+    client = lora_server.client()
+    prompt, name = [5, 9, 13, 2, 7], "r4-a8.0"
+    batch = floe.Batch([floe.Group(prompt, [floe.Sample(tokens=[3, 4, 6]), floe.Sample(tokens=[8, 2])])])
+    client.forward_backward(batch)  # cross-entropy: any step that moves the adapter
+    client.optim_step(lr=1e-2)
+    version = client.sync_weights().version
+    body = {"model": name, "token_ids": prompt,
+            "sampling_params": {"max_tokens": 5, "temperature": 1.0, "logprobs": 1, "seed": 4}}
+    unknown = post(lora_server, "/inference/v1/generate", json=body)
+    assert unknown.status_code == 404 and unknown.json()["field"] == "model"  # not loaded yet
+
+    ahead = publish(tmp_path, BroadcastMarker(step=2, weights_version=version + 1, policy_step=1, model="m"))
+    r = post(lora_server, "/load_lora_adapter", json={"lora_name": name, "lora_path": str(ahead)})
+    assert r.status_code == 409 and r.json()["field"] == "lora_path"
+    assert post(lora_server, "/inference/v1/generate", json=body).status_code == 404  # a refused load names nothing
+    bad = post(lora_server, "/load_lora_adapter", json={"lora_name": "a/../b", "lora_path": str(ahead)})
+    assert bad.status_code == 400 and bad.json()["field"] == "lora_name"
+
+    step = publish(tmp_path, BroadcastMarker(step=1, weights_version=version, policy_step=1, model="m"))
+    anonymous = httpx.post(lora_server.url + "/load_lora_adapter", json={"lora_name": name, "lora_path": str(step)})
+    assert anonymous.status_code == 401  # it reads the server's disk: the operator's call only
+    r = post(lora_server, "/load_lora_adapter", json={"lora_name": name, "lora_path": str(step)})
+    assert r.status_code == 200, r.text
+    assert r.json()["step"] == 1 and r.json()["lora_name"] == name
+    models = httpx.get(lora_server.url + "/v1/models", headers=lora_server.headers()).json()["data"]
+    assert [m["id"] for m in models] == ["tiny", name] and models[1]["parent"] == "tiny"
+    r = post(lora_server, "/inference/v1/generate", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    fwd = client.forward(floe.Batch([floe.Group(prompt, [floe.Sample(tokens=choice["token_ids"])])]))
+    assert [c["logprob"] for c in choice["logprobs"]["content"]] == pytest.approx(fwd.logprobs[0][0], abs=1e-4)
+    base = client.forward(floe.Batch([floe.Group(prompt, [floe.Sample(tokens=choice["token_ids"])])]), zone="reference")
+    assert max(abs(a - b) for a, b in zip(fwd.logprobs[0][0], base.logprobs[0][0])) > 1e-4  # the adapter trained
+    client.close()
+
+    # a backend that trains every weight has no adapter to load
+    r = post(prime_server, "/load_lora_adapter", json={"lora_name": name, "lora_path": str(step)})
+    assert r.status_code == 400 and "[backend.lora]" in r.json()["message"]

@@ -10,7 +10,8 @@ read here; the `[floe]` table (the overlay, recipes/prime_rl/floe.toml) adds flo
   rollout_transport, trainer.rollout_transport   transport.parse_transport: "zmq" (prime-rl's default:
                                       host, port, hwm) or "filesystem"
   weight_broadcast, trainer.weight_broadcast     must be type "filesystem" (the default)
-  trainer.model.lora                  refused (the server's backend decides LoRA)
+  trainer.model.lora                  lora.parse_lora: the adapter floe's backend trains (rank, alpha,
+                                      target_modules); checked against a running server's
   ckpt, trainer.ckpt                  checkpoint.CkptConfig: interval, keep_last, keep_interval, output_dir
                                       (trainer.ckpt's keys over the shared ones); skip_* refused when true
   resume, trainer.resume              checkpoint.ResumeConfig: step or dir
@@ -37,8 +38,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from floe.config import LoraConfig
 from floe.errors import InvalidInput
 from floe.integrations.prime_rl.checkpoint import CkptConfig, ResumeConfig
+from floe.integrations.prime_rl.lora import parse_lora
 from floe.integrations.prime_rl.loss_mapping import MappedLoss, map_loss, native_loss
 from floe.integrations.prime_rl.optim import PrimeOptim, PrimeScheduler, parse_optim, parse_scheduler
 from floe.integrations.prime_rl.transport import FileSystemTransport, ZmqTransport, parse_transport
@@ -63,6 +66,7 @@ class PrimeTrainerConfig:
     resume: ResumeConfig | None = None
     optim: PrimeOptim = field(default_factory=PrimeOptim)
     scheduler: PrimeScheduler = field(default_factory=PrimeScheduler)
+    lora: LoraConfig | None = None  # trainer.model.lora: the adapter the backend trains; None = every weight
     url: str = "http://127.0.0.1:7000"
     token_env: str = "FLOE_TOKEN"
     ranks: int = 1
@@ -123,8 +127,7 @@ def parse_config(data: dict[str, Any]) -> PrimeTrainerConfig:
         raise InvalidInput(broadcast_field, f"is {broadcast!r}; floe publishes steps as broadcasts/step_N/STABLE: "
                            "use type = \"filesystem\"")
     model = trainer.get("model") or {}
-    if model.get("lora") is not None:
-        raise InvalidInput("trainer.model.lora", "LoRA is set on `floe serve`'s backend, not by the trainer; remove it")
+    lora = parse_lora(model.get("lora"))
     optim = parse_optim(trainer)
     scheduler = parse_scheduler(trainer, max_steps, optim.lr)
 
@@ -148,7 +151,7 @@ def parse_config(data: dict[str, Any]) -> PrimeTrainerConfig:
     ignored = sorted(f"trainer.{k}" for k in trainer if k not in READ_TRAINER_KEYS)
     ignored += sorted(f"trainer.model.{k}" for k in model if k not in ("name", "lora"))
     return PrimeTrainerConfig(run_dir=run_dir, max_steps=max_steps, loss=loss, transport=transport, ckpt=ckpt,
-                              resume=resume, optim=optim, scheduler=scheduler, url=url,
+                              resume=resume, optim=optim, scheduler=scheduler, lora=lora, url=url,
                               token_env=str(floe.get("token_env", "FLOE_TOKEN")), ranks=ranks, poll_s=float(poll),
                               wait_timeout_s=None if timeout is None else float(timeout), ignored_trainer_keys=ignored)
 

@@ -10,7 +10,8 @@ prime-rl's `cli`, `write_subconfigs`, `env_servers`, `validate_run_dir`, `clean_
 
   inference     `floe serve` (started here on orchestrator.model.client.base_url's port, model =
                 model.name, [backend.optimizer] = trainer.optim as `floe prime-trainer` checks it,
-                plus the overlay's [floe.backend] table), or the server at [floe] url
+                [backend.lora] = trainer.model.lora (lora.server_lora), plus the overlay's
+                [floe.backend] table), or the server at [floe] url
   trainer       `floe prime-trainer`'s `run`, in this process, on the same layers
   env servers   prime-rl's `env-server @ configs/envs/<split>/<name>.json`, unchanged
   orchestrator  prime-rl's `orchestrator @ configs/orchestrator.json`, unchanged
@@ -45,6 +46,7 @@ from floe.errors import FloeError, InvalidInput
 from floe.integrations.prime_rl.checkpoint import checkpoints_dir, read_checkpoint, resume_step
 from floe.integrations.prime_rl.config import PrimeTrainerConfig, parse_config
 from floe.integrations.prime_rl.formats import unpublish
+from floe.integrations.prime_rl.lora import server_lora
 
 HOW_TO_GET_PRIME_RL = (
     "prime-rl is not importable in this Python ({python}): run `floe prime-rl` in prime-rl's environment with "
@@ -287,7 +289,7 @@ class Launch:
                 fork_state(trainer.resume.dir, state_dir)
             backend = {"model": rl.trainer.model.name, "state_dir": str(state_dir),
                        "optimizer": self.p.trainer.optim.serve_optimizer(),
-                       **floe.get("backend", {})}
+                       **server_lora(self.p.trainer.lora, floe.get("backend", {}))}
             serve_log = log_dir / "floe_serve.log"
             self.say(f"starting floe serve for {rl.trainer.model.name} on 127.0.0.1:{port}, log {serve_log}")
             self.server = LocalServer(backend, serve_log, float(floe.get("ready_timeout_s", 300)),

@@ -29,6 +29,7 @@ from floe.integrations.prime_rl.batch import to_floe_batch
 from floe.integrations.prime_rl.checkpoint import checkpoints_dir, clean, read_checkpoint, resume_step, save, saved_steps
 from floe.integrations.prime_rl.config import PrimeTrainerConfig
 from floe.integrations.prime_rl.formats import BroadcastMarker, publish, unpublish
+from floe.integrations.prime_rl.lora import check_server_lora
 from floe.integrations.prime_rl.optim import check_server_optimizer
 from floe.integrations.prime_rl.schedule import PrimeRlSchedule
 from floe.integrations.prime_rl.transport import open_receiver
@@ -65,6 +66,10 @@ def run(cfg: PrimeTrainerConfig, client: Any, log: Any = print) -> list[StepRepo
         start = step + 1
     info = client.info()
     check_server_optimizer(cfg.optim, info.capabilities.get("optimizer"))
+    check_server_lora(cfg.lora, info.capabilities.get("lora"))
+    if cfg.lora is not None:
+        log(f"prime-trainer: the server trains a LoRA adapter (rank {cfg.lora.rank}, alpha {cfg.lora.alpha}); "
+            "the sampler serves the merged weights")
     schedule = PrimeRlSchedule(cfg.optim, cfg.scheduler, cfg.max_steps, steps=info.step)
     log(f"prime-trainer: lr schedule {schedule.describe()}")
     if cfg.ignored_trainer_keys:

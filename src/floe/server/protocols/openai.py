@@ -398,7 +398,6 @@ def openai_router(state: ServerState) -> APIRouter:
         on_stopped=state.metrics.sample_calls_stopped.inc,
     )
     router.batcher = batcher  # type: ignore[attr-defined]  # for tests
-    accepted_models = {state.model_name, backend.config.model}
 
     def on_result(result: SampleResult) -> None:
         state.metrics.tokens_sampled.inc(result.num_tokens)
@@ -407,13 +406,15 @@ def openai_router(state: ServerState) -> APIRouter:
                     "live" if backend.streams_tokens else "replayed", on_result)
 
     async def resolve(request: Request, model: str | None) -> Target:
-        if model is not None and model not in accepted_models:
+        if model is not None and not state.serves(model):
             raise ApiError(404, "model_not_found", f"this server serves {state.model_name!r}, not {model!r}", "model")
         return target
 
     async def models(request: Request) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0, "owned_by": "floe",
-                                            "max_model_len": backend.max_context}]}
+        served = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "floe",
+                  "max_model_len": backend.max_context}
+        adapters = [{**served, "id": name, "parent": state.model_name} for name in sorted(state.adapter_names)]
+        return {"object": "list", "data": [served, *adapters]}
 
     add_openai_routes(router, resolve, models)
     return router

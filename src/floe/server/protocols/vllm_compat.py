@@ -11,6 +11,11 @@
                                sampler serves the weights `floe prime-trainer` published there
                                (floe.json's weights_version; the trainer syncs them through
                                the client); 409 when it serves an older version
+  POST /load_lora_adapter      body {"lora_name", "lora_path": ".../broadcasts/step_N"}: prime-rl's
+                               LoRA sync (trainer.model.lora): the same check as /update_weights,
+                               then `lora_name` names the served model (its merged weights
+                               W + (alpha/rank)·B·A) in sampling requests and /v1/models; 400 when
+                               the backend has no [lora]
   GET  /liveness               {"status": "ok"} (GET /health is the app's)
 
 The admin paths follow prime-rl's inference server and client (src/prime_rl/inference/vllm/
@@ -33,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -52,6 +58,8 @@ from floe.server.state import ServerState
 from floe.types import SamplingParams
 
 GENERATE_PATH = "/inference/v1/generate"
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+MAX_ADAPTER_NAMES = 16  # names are held for the server's life: bounded
 SAMPLING_PATHS = (GENERATE_PATH, "/v1/completions", "/v1/chat/completions")
 
 # vLLM SamplingParams fields floe does not implement -> the values that change nothing.
@@ -191,7 +199,6 @@ def vllm_router(state: ServerState, gate: PauseGate) -> APIRouter:
     config = state.config
     batcher = SampleBatcher(backend.sample_streaming, window_s=config.openai_batch_window_ms / 1000,
                             max_sequences=config.openai_batch_max_sequences, max_context=backend.max_context)
-    accepted_models = {state.model_name, backend.config.model}
 
     @router.post(GENERATE_PATH)
     async def generate(request: Request) -> dict[str, Any]:
@@ -209,7 +216,7 @@ def vllm_router(state: ServerState, gate: PauseGate) -> APIRouter:
             raise _bad(loc, msg) from None
         if req.stream:
             raise _bad("stream", "streaming is not supported on this endpoint; send stream: false")
-        if req.model is not None and req.model not in accepted_models:
+        if req.model is not None and not state.serves(req.model):
             raise ApiError(404, "model_not_found", f"this server serves {state.model_name!r}, not {req.model!r}", "model")
         params, n, top = generate_params(req.sampling_params, backend.max_context, len(req.token_ids))
         try:
@@ -244,14 +251,12 @@ def vllm_router(state: ServerState, gate: PauseGate) -> APIRouter:
         await gate.resume()
         return {"status": "resumed"}
 
-    @router.post("/update_weights")
-    async def update_weights(request: Request) -> dict[str, Any]:
+    async def served_step(field: str, weight_dir: Any) -> dict[str, Any]:
+        """The published step at `weight_dir` (floe prime-trainer's marker), once the sampler serves it."""
         from floe.integrations.prime_rl.formats import read_marker  # noqa: PLC0415 - msgspec (the prime-rl extra)
 
-        body = _json_body(await request.body() or b"{}")
-        weight_dir = body.get("weight_dir")
         if not isinstance(weight_dir, str) or not weight_dir:
-            raise _bad("weight_dir", "give the published step directory (broadcasts/step_N) of `floe prime-trainer`")
+            raise _bad(field, "give the published step directory (broadcasts/step_N) of `floe prime-trainer`")
         try:
             marker = await run_in_threadpool(read_marker, Path(weight_dir))
         except InvalidInput as e:
@@ -259,8 +264,29 @@ def vllm_router(state: ServerState, gate: PauseGate) -> APIRouter:
         info = await run_in_threadpool(backend.info)
         if info.sampler_version < marker.weights_version:
             raise ApiError(409, "stale_weights", f"the sampler serves weights version {info.sampler_version}; "
-                           f"{weight_dir} needs {marker.weights_version} (sync_weights has not run for it)", "weight_dir")
+                           f"{weight_dir} needs {marker.weights_version} (sync_weights has not run for it)", field)
         return {"status": "ok", "step": marker.step, "weights_version": info.sampler_version}
+
+    @router.post("/update_weights")
+    async def update_weights(request: Request) -> dict[str, Any]:
+        body = _json_body(await request.body() or b"{}")
+        return await served_step("weight_dir", body.get("weight_dir"))
+
+    @router.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> dict[str, Any]:
+        body = _json_body(await request.body() or b"{}")
+        name = body.get("lora_name")
+        if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name):
+            raise _bad("lora_name", f"must be 1 to 64 letters, digits, '.', '_' or '-', got {name!r}")
+        if backend.config.lora is None:
+            raise _bad("lora_name", "this server's backend trains every weight, so there is no adapter to load: start "
+                       "floe serve with [backend.lora] (the recipe's trainer.model.lora), or use /update_weights")
+        if name not in state.adapter_names and len(state.adapter_names) >= MAX_ADAPTER_NAMES:
+            raise _bad("lora_name", f"{MAX_ADAPTER_NAMES} adapter names are loaded already; reuse one of "
+                       f"{sorted(state.adapter_names)}")
+        reply = await served_step("lora_path", body.get("lora_path"))
+        state.adapter_names.add(name)  # only once the sampler serves the adapter's step
+        return {**reply, "lora_name": name}
 
     @router.get("/liveness")
     async def liveness() -> dict[str, str]:
