@@ -6,7 +6,8 @@ The recipe file is prime-rl's, unchanged; the command overrides only:
                  --orchestrator.renderer.name default (the recipe picks prime-qwen3 for its Qwen3
                  model: that renderer needs Qwen3's special tokens)
   sizes / steps  batch_size 4, group_size 2, seq_len 256, max_completion_tokens 8, max_steps 2
-  placement      orchestrator.model.client.base_url (a free port: floe serve binds it), output_dir,
+  placement      orchestrator.model.client.base_url (a free port: floe serve binds it),
+                 orchestrator.env_server_base_port (a free port, not prime-rl's fixed 5000), output_dir,
                  rollout_transport.port (free ports for prime-rl's default zmq transport; type = "zmq")
   algorithm      orchestrator.train.filter_zero_advantages false: a random-init model never writes
                  the <reversed_text> tags, every reward is 0, and prime-rl would drop every sample
@@ -82,6 +83,7 @@ def command(tmp: Path, recipe: str, *extra: str, seq_len: int = 256) -> tuple[li
             "--orchestrator.train.sampling.max-completion-tokens", "8", "--max-steps", str(STEPS),
             "--orchestrator.train.filter-zero-advantages", "false",
             "--orchestrator.model.client.base-url", f"http://127.0.0.1:{free_port()}/v1",
+            "--orchestrator.env-server-base-port", str(free_port()),
             "--rollout-transport.type", "zmq", "--rollout-transport.port", str(zmq_port()),
             "--output-dir", str(tmp / "outputs"), *extra]
     return args, env

@@ -147,7 +147,7 @@ class Plan:
     rl: Any  # prime_rl.configs.rl.RLConfig
     trainer: PrimeTrainerConfig
     floe: dict[str, Any]
-    inference_keys: list[str]
+    inference_keys: list[str]  # [inference] and [deployment]'s GPU split: floe serve's [floe.backend] decides
 
 
 def plan(argv: list[str], prime: dict[str, Any]) -> Plan:
@@ -179,6 +179,9 @@ def plan(argv: list[str], prime: dict[str, Any]) -> Plan:
                            f"{rl.trainer.model.name!r}: floe serve samples and trains one model; set model.name")
     inference = raw.get("inference")
     inference_keys = sorted(_leaves(inference, "inference")) if isinstance(inference, dict) else []
+    deployment = raw.get("deployment")
+    if isinstance(deployment, dict):  # num_train_gpus / num_infer_gpus: how prime-rl splits a node's GPUs
+        inference_keys += sorted(k for k in _leaves(deployment, "deployment") if k != "deployment.type")
     if "backend" in floe and not isinstance(floe["backend"], dict):
         raise InvalidInput("floe.backend", "must be a table of floe serve [backend] keys (docs/recipes.md)")
     ready = floe.get("ready_timeout_s", 300)
@@ -271,7 +274,8 @@ class Launch:
         log_dir = prime["create_attempt_log_dir"](rl.run_dir)
         self.say(f"run directory {rl.run_dir}; prime-rl's configs in {config_dir}; logs in {log_dir}")
         if self.p.inference_keys:
-            self.say(f"[inference] is served by floe serve; not applied: {', '.join(self.p.inference_keys)}")
+            self.say("[inference] is served by floe serve, which places the model as its [floe.backend] says; not "
+                     f"applied: {', '.join(self.p.inference_keys)}")
         if trainer.resume is not None:
             self.say(f"resuming from step {step}")
 

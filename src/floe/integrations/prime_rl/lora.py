@@ -96,4 +96,5 @@ def check_server_lora(lora: LoraConfig | None, server: Mapping[str, Any] | None)
 def _toml(lora: LoraConfig | None) -> str:
     if lora is None:
         return "none"
-    return f"rank = {lora.rank}, alpha = {lora.alpha}, target_modules = {json.dumps(lora.target_modules)}"
+    ignore = ', missing_targets = "ignore"' if lora.missing_targets == "ignore" else ""
+    return f"rank = {lora.rank}, alpha = {lora.alpha}, target_modules = {json.dumps(lora.target_modules)}{ignore}"
