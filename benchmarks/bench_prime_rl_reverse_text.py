@@ -15,7 +15,7 @@ with its 0.2 masks, AdamW, the constant schedule, the group-relative advantage):
   orchestrator.batch_size 32, group_size 8 (the recipe: 128, 16); max_completion_tokens 48 (the
                                   tags alone are 31 characters of this character-level tokenizer);
   seq_len 512; max_steps 20 (the recipe's 20)
-  trainer.optim.lr 3e-4: the recipe's 3e-6 is tuned for 0.6B parameters; a 0.3M-parameter model
+  trainer.optim.lr 3e-4: the recipe's 3e-6 is tuned for 0.6B parameters; a 0.42M-parameter model
                                   needs the rate floe's own tiny recipe trains with (its
                                   [backend.optimizer] lr); the run with 3e-6 is `--lr 3e-6`
 
