@@ -147,7 +147,7 @@ class Plan:
     rl: Any  # prime_rl.configs.rl.RLConfig
     trainer: PrimeTrainerConfig
     floe: dict[str, Any]
-    inference_keys: list[str]  # [inference] and [deployment]'s GPU split: floe serve's [floe.backend] decides
+    not_applied: list[str]  # [inference] and [deployment]'s GPU split: floe serve's [floe.backend] decides
 
 
 def plan(argv: list[str], prime: dict[str, Any]) -> Plan:
@@ -178,16 +178,16 @@ def plan(argv: list[str], prime: dict[str, Any]) -> Plan:
         raise InvalidInput("orchestrator.model.name", f"{rl.orchestrator.model.name!r} differs from the trainer's "
                            f"{rl.trainer.model.name!r}: floe serve samples and trains one model; set model.name")
     inference = raw.get("inference")
-    inference_keys = sorted(_leaves(inference, "inference")) if isinstance(inference, dict) else []
+    not_applied = sorted(_leaves(inference, "inference")) if isinstance(inference, dict) else []
     deployment = raw.get("deployment")
     if isinstance(deployment, dict):  # num_train_gpus / num_infer_gpus: how prime-rl splits a node's GPUs
-        inference_keys += sorted(k for k in _leaves(deployment, "deployment") if k != "deployment.type")
+        not_applied += sorted(k for k in _leaves(deployment, "deployment") if k != "deployment.type")
     if "backend" in floe and not isinstance(floe["backend"], dict):
         raise InvalidInput("floe.backend", "must be a table of floe serve [backend] keys (docs/recipes.md)")
     ready = floe.get("ready_timeout_s", 300)
     if isinstance(ready, bool) or not isinstance(ready, (int, float)) or ready <= 0:
         raise InvalidInput("floe.ready_timeout_s", f"must be a number of seconds > 0, got {ready!r}")
-    return Plan(rl=rl, trainer=trainer, floe=floe, inference_keys=inference_keys)
+    return Plan(rl=rl, trainer=trainer, floe=floe, not_applied=not_applied)
 
 
 def fork_state(step_dir: Path, state_dir: Path) -> None:
@@ -273,9 +273,9 @@ class Launch:
         prime["write_subconfigs"](rl, config_dir)
         log_dir = prime["create_attempt_log_dir"](rl.run_dir)
         self.say(f"run directory {rl.run_dir}; prime-rl's configs in {config_dir}; logs in {log_dir}")
-        if self.p.inference_keys:
+        if self.p.not_applied:
             self.say("[inference] is served by floe serve, which places the model as its [floe.backend] says; not "
-                     f"applied: {', '.join(self.p.inference_keys)}")
+                     f"applied: {', '.join(self.p.not_applied)}")
         if trainer.resume is not None:
             self.say(f"resuming from step {step}")
 
