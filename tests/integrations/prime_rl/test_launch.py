@@ -165,8 +165,12 @@ def test_alphabet_sort_stock_recipe_trains_its_lora_adapter_over_several_turns(t
     # (rank 32, alpha 64): floe serve trains that adapter, prime-rl's orchestrator syncs it through
     # /load_lora_adapter and samples by the adapter's name, as it does with vLLM. (A random model
     # earns reward 0 here, so these steps do not move the adapter; test_trainer.py and
-    # test_vllm_compat.py show the adapter training and being served.)
-    out = launch(tmp_path, "examples/basic/alphabet-sort/rl.toml", seq_len=2048)
+    # test_vllm_compat.py show the adapter training and being served.) The run also splits "2 training
+    # GPUs" (--deployment.num-train-gpus 2): prime-rl's orchestrator then writes two ranks' batches per
+    # step and floe's trainer takes both ([floe] ranks follows it); the overlay's device places floe
+    # serve on this CPU, and the GPU split is listed as not applying here.
+    out = launch(tmp_path, "examples/basic/alphabet-sort/rl.toml", "--deployment.num-train-gpus", "2",
+                 "--floe.backend.device", "cpu", seq_len=2048)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     run_dir = tmp_path / "outputs" / "floe-run"
     reports = [json.loads(line) for line in (run_dir / "floe_trainer.jsonl").read_text().splitlines()]
@@ -182,6 +186,9 @@ def test_alphabet_sort_stock_recipe_trains_its_lora_adapter_over_several_turns(t
     # request names the adapter (a 404 otherwise), so exit 0 means floe serve answered both
     orch_config = json.loads((run_dir / "configs" / "orchestrator.json").read_text())
     assert orch_config["model"]["lora"]["name"] == "r32-a64.0", orch_config["model"]
+    assert orch_config["num_train_workers"] == 2
+    assert "accepted without effect here: deployment.num_train_gpus ([floe.backend] places floe serve" in out.stdout
+    assert "gradient_checkpointing=True" in out.stdout  # trainer.model.ac (the recipe's freq = 1)
     orch = [line for line in out.stdout.splitlines() if "orchestrator:" in line and "Reward" in line]
     assert len(orch) >= STEPS, out.stdout[-4000:]
     # every episode ran the recipe's 3 to 5 turns (prime-rl's orchestrator metrics, per step)
@@ -209,3 +216,11 @@ def test_a_dying_child_stops_the_run_and_is_named(tmp_path: Path) -> None:
     assert proc.returncode == 2, err[-3000:]
     assert "orchestrator exited with status -9" in err and "orchestrator.log" in err, err[-3000:]
     assert not alive(pids["env server"])  # stopped with the run: no orphan
+
+
+def test_a_gpu_split_on_this_cpu_machine_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    # wordle's [deployment] asks for 2 + 6 GPUs; the machine (CUDA_VISIBLE_DEVICES="") has none
+    out = launch(tmp_path, "examples/basic/wordle/rl.toml", timeout_s=300)
+    assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "deployment.num_train_gpus" in out.stderr and "2 training + 6 inference GPUs" in out.stderr, out.stderr[-3000:]
+    assert "started" not in out.stdout  # nothing was launched

@@ -28,7 +28,9 @@ read here; the `[floe]` table (the overlay, recipes/prime_rl/floe.toml) adds flo
   and ready_timeout_s (300: how long it waits for that server)
 
 Every other `[trainer]` key tunes prime-rl's own torch trainer (compile, FSDP, activation
-checkpointing, ...); `ignored_trainer_keys` lists them and the trainer prints them at start.
+checkpointing, ...); `ignored_trainer_keys` lists them and the trainer prints them at start
+(`floe prime-rl` maps trainer.model.ac and optimization_dtype onto the floe serve it starts:
+hardware.prime_hardware, and drops them from that list).
 """
 
 from __future__ import annotations

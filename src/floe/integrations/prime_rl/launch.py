@@ -17,7 +17,9 @@ prime-rl's `cli`, `write_subconfigs`, `env_servers`, `validate_run_dir`, `clean_
   orchestrator  prime-rl's `orchestrator @ configs/orchestrator.json`, unchanged
 
 `[inference]` is what floe serve replaces: it is left out of the config prime-rl resolves (so
-prime-rl's router-specific admin URL is not derived) and its keys are listed at start. `[floe]`
+prime-rl's router-specific admin URL is not derived); its vLLM settings and `[deployment]`'s GPU
+split become floe serve's placement and engine (hardware.prime_hardware), and what does not apply
+on this machine is listed at start. `[floe]`
 is floe's overlay table (config.FLOE_KEYS). Logs: <run dir>/logs/attempt_N/ (prime-rl's layout:
 orchestrator.log, envs/<split>/<name>.log, trainer.log, plus floe_serve.log). A process that
 exits early stops everything with an error naming it and its log; Ctrl-C and SIGTERM stop all.
@@ -36,22 +38,25 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import urlparse
 
 from floe.config import load_layers, parse_override_value
 from floe.errors import FloeError, InvalidInput
+from floe.integrations.hardware import describe, with_overrides
 from floe.integrations.prime_rl.checkpoint import checkpoints_dir, read_checkpoint, resume_step
 from floe.integrations.prime_rl.config import PrimeTrainerConfig, parse_config
 from floe.integrations.prime_rl.formats import unpublish
+from floe.integrations.prime_rl.hardware import PrimeHardware, prime_hardware
 from floe.integrations.prime_rl.lora import server_lora
 
 HOW_TO_GET_PRIME_RL = (
     "prime-rl is not importable in this Python ({python}): run `floe prime-rl` in prime-rl's environment with "
     "floe installed there (in a prime-rl checkout: `uv pip install -e <floe>[prime-rl]`, then `uv run floe prime-rl "
     "...`); floe pins prime-rl {commit}")
+MAPPED_MODEL_KEYS = ("trainer.model.ac", "trainer.model.optimization_dtype")  # hardware.prime_hardware
 STRIPPED = ("floe", "inference")  # tables prime-rl's RLConfig does not get (see the module doc)
 STEP_LINE = re.compile(r"Step \d+")
 
@@ -147,7 +152,7 @@ class Plan:
     rl: Any  # prime_rl.configs.rl.RLConfig
     trainer: PrimeTrainerConfig
     floe: dict[str, Any]
-    not_applied: list[str]  # [inference] and [deployment]'s GPU split: floe serve's [floe.backend] decides
+    hardware: PrimeHardware  # [deployment]'s GPU split and [inference.vllm] as floe serve's [backend]
 
 
 def plan(argv: list[str], prime: dict[str, Any]) -> Plan:
@@ -157,6 +162,11 @@ def plan(argv: list[str], prime: dict[str, Any]) -> Plan:
     raw = load_layers(list[str | Path](files), overrides)
     trainer = parse_config(raw)  # floe prime-trainer's reading of the same layers
     floe = dict(raw.get("floe") or {})
+    if "backend" in floe and not isinstance(floe["backend"], dict):
+        raise InvalidInput("floe.backend", "must be a table of floe serve [backend] keys (docs/recipes.md)")
+    # the GPU split and vLLM settings are floe serve's placement; a running server ([floe] url) keeps
+    # its own, and the keys are still checked (before prime-rl resolves its config: that imports the tasksets)
+    hardware = prime_hardware(raw, _cuda_gpus(), floe.get("backend", {}))
     rl = resolve_rl_config(prime, files, flags)
     if (rl.resume is None) != (trainer.resume is None):
         raise InvalidInput("resume", "prime-rl's config and floe's trainer disagree on resume: set it at the top "
@@ -171,23 +181,21 @@ def plan(argv: list[str], prime: dict[str, Any]) -> Plan:
     if trainer.max_steps != rl.trainer.max_steps or rl.orchestrator.max_steps != rl.trainer.max_steps:
         raise InvalidInput("max_steps", f"trainer {rl.trainer.max_steps}, orchestrator {rl.orchestrator.max_steps}, "
                            f"floe's trainer {trainer.max_steps}: set the shared max_steps")
+    if "ranks" not in floe:  # prime-rl's orchestrator writes one rank file per training GPU
+        trainer = replace(trainer, ranks=rl.orchestrator.num_train_workers)
     if trainer.ranks != rl.orchestrator.num_train_workers:
         raise InvalidInput("floe.ranks", f"is {trainer.ranks}; the orchestrator writes "
                            f"{rl.orchestrator.num_train_workers} rank files per step (orchestrator.num_train_workers)")
     if rl.orchestrator.model.name != rl.trainer.model.name:
         raise InvalidInput("orchestrator.model.name", f"{rl.orchestrator.model.name!r} differs from the trainer's "
                            f"{rl.trainer.model.name!r}: floe serve samples and trains one model; set model.name")
-    inference = raw.get("inference")
-    not_applied = sorted(_leaves(inference, "inference")) if isinstance(inference, dict) else []
-    deployment = raw.get("deployment")
-    if isinstance(deployment, dict):  # num_train_gpus / num_infer_gpus: how prime-rl splits a node's GPUs
-        not_applied += sorted(k for k in _leaves(deployment, "deployment") if k != "deployment.type")
-    if "backend" in floe and not isinstance(floe["backend"], dict):
-        raise InvalidInput("floe.backend", "must be a table of floe serve [backend] keys (docs/recipes.md)")
+    if "url" not in floe:  # the floe serve started here takes them (a running server keeps its own)
+        trainer = replace(trainer, ignored_trainer_keys=[k for k in trainer.ignored_trainer_keys
+                                                         if k not in MAPPED_MODEL_KEYS])
     ready = floe.get("ready_timeout_s", 300)
     if isinstance(ready, bool) or not isinstance(ready, (int, float)) or ready <= 0:
         raise InvalidInput("floe.ready_timeout_s", f"must be a number of seconds > 0, got {ready!r}")
-    return Plan(rl=rl, trainer=trainer, floe=floe, not_applied=not_applied)
+    return Plan(rl=rl, trainer=trainer, floe=floe, hardware=hardware)
 
 
 def fork_state(step_dir: Path, state_dir: Path) -> None:
@@ -204,11 +212,10 @@ def fork_state(step_dir: Path, state_dir: Path) -> None:
     shutil.copytree(source, target)
 
 
-def _leaves(table: dict[str, Any], prefix: str) -> list[str]:
-    out = []
-    for k, v in table.items():
-        out += _leaves(v, f"{prefix}.{k}") if isinstance(v, dict) and v else [f"{prefix}.{k}"]
-    return out or [prefix]
+def _cuda_gpus() -> int:
+    import torch  # noqa: PLC0415 - loaded already in prime-rl's environment (the trainer runs here)
+
+    return torch.cuda.device_count()
 
 
 def serve_address(base_url: str) -> tuple[str, int]:
@@ -273,16 +280,16 @@ class Launch:
         prime["write_subconfigs"](rl, config_dir)
         log_dir = prime["create_attempt_log_dir"](rl.run_dir)
         self.say(f"run directory {rl.run_dir}; prime-rl's configs in {config_dir}; logs in {log_dir}")
-        if self.p.not_applied:
-            self.say("[inference] is served by floe serve, which places the model as its [floe.backend] says; not "
-                     f"applied: {', '.join(self.p.not_applied)}")
+        if self.p.hardware.notes:
+            self.say(f"accepted without effect here: {'; '.join(self.p.hardware.notes)}")
         if trainer.resume is not None:
             self.say(f"resuming from step {step}")
 
         client_cfg = rl.orchestrator.model.client
         if "url" in floe:
             url, token = self.p.trainer.url, os.environ.get(self.p.trainer.token_env)
-            self.say(f"training through floe serve at {url}")
+            self.say(f"training through floe serve at {url}; it keeps the placement, engine and precision it was "
+                     "started with ([deployment], [inference.vllm] and trainer.model.ac were checked, not applied)")
         else:
             from floe.integrations.verl.local_server import LocalServer  # noqa: PLC0415 - floe serve as a child
 
@@ -291,9 +298,10 @@ class Launch:
             state_dir = rl.run_dir / "floe_states"
             if trainer.resume is not None and trainer.resume.dir is not None:
                 fork_state(trainer.resume.dir, state_dir)
+            placed = with_overrides(self.p.hardware.backend, floe.get("backend", {}), "floe.backend")
             backend = {"model": rl.trainer.model.name, "state_dir": str(state_dir),
-                       "optimizer": self.p.trainer.optim.serve_optimizer(),
-                       **server_lora(self.p.trainer.lora, floe.get("backend", {}))}
+                       "optimizer": self.p.trainer.optim.serve_optimizer(), **server_lora(self.p.trainer.lora, placed)}
+            self.say(describe(backend))
             serve_log = log_dir / "floe_serve.log"
             self.say(f"starting floe serve for {rl.trainer.model.name} on 127.0.0.1:{port}, log {serve_log}")
             self.server = LocalServer(backend, serve_log, float(floe.get("ready_timeout_s", 300)),
