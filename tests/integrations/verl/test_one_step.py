@@ -82,3 +82,38 @@ def test_verls_one_step_off_policy_trainer_runs_on_floe_with_staleness_per_sampl
         if step > 1:
             assert stalenesses == [1] * len(rows), (step, rows)
             assert m["floe/policy_version"] == run.steps[step - 1]["floe/policy_version"] + 1
+
+
+def composed_one_step(overrides: list[str], monkeypatch: pytest.MonkeyPatch) -> dict:
+    """verl's one-step config (Hydra, one_step_off_ppo_trainer.yaml over ppo_trainer.yaml) with `overrides`."""
+    from hydra import compose, initialize_config_dir  # noqa: PLC0415 - verl's environment
+    from omegaconf import OmegaConf  # noqa: PLC0415
+
+    monkeypatch.chdir(verl_root())  # the config's searchpath, file://verl/trainer/config, is relative
+    config_dir = verl_root() / "verl" / "experimental" / "one_step_off_policy" / "config"
+    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+        cfg = compose("one_step_off_ppo_trainer", overrides=overrides)
+    out = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(out, dict)
+    return out
+
+
+# The stock keys but paths (the script's shell expands them), on the CPU.
+STOCK = [k for k in ONE_STEP.keys if not k.startswith(("data.", "trainer.logger", "actor_rollout_ref.model.path"))]
+ON_CPU = "+floe.backend.device=cpu"
+
+
+@pytest.mark.parametrize(("override", "field"), [
+    ("++actor_rollout_ref.rollout.checkpoint_manager_class=my.Manager", "actor_rollout_ref.rollout.checkpoint_manager_class"),
+    ("actor_rollout_ref.actor.calculate_sum_pi_squared=True", "actor_rollout_ref.actor.calculate_sum_pi_squared"),
+    (None, "rollout.n_gpus_per_node"),  # the stock recipe as on its GPU box (no CPU key): a separate rollout pool
+])
+def test_one_step_keys_floe_cannot_honour_are_refused_by_name(monkeypatch, override, field):
+    import floe  # noqa: PLC0415
+    from floe.integrations.verl.one_step import check_one_step  # noqa: PLC0415 - verl's environment
+
+    check_one_step(composed_one_step([*STOCK, ON_CPU], monkeypatch))  # the stock recipe on the CPU passes
+    cfg = composed_one_step([*STOCK, ON_CPU, override] if override else STOCK, monkeypatch)
+    with pytest.raises(floe.InvalidInput) as info:
+        check_one_step(cfg)
+    assert info.value.field == field
