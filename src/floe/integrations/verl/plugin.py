@@ -21,6 +21,10 @@ under a Ray actor that holds the GPU), or a given URL + token. The loss comes fr
 each step from verl's own LR scheduler (schedule.py). Everything crosses to
 floe through the public client API and floe.convert.
 
+Importing it also installs floe's trainer in verl's one-step off-policy entrypoint
+(one_step.py: `python -m verl.experimental.one_step_off_policy.main_ppo` with the same
+`trainer.v1.trainer_mode=floe`; `start_session` is the backend set-up both trainers share).
+
 Pinned to verl==0.9.1: `FloeTrainer._setup` replaces a private method of verl's trainer and
 reads verl's TransferQueue field names.
 """
@@ -148,7 +152,7 @@ class FloeWorkerGroup:
         return None
 
     # -- how a batch is read and answered: TransferQueue handles (V1). A subclass for verl's
-    # TensorDict batches (one_step.FloeTensorDictWorkerGroup) overrides these four only.
+    # TensorDict batches (one_step.FloeTensorDictWorkerGroup) overrides these methods only.
 
     def _fetch(self, batch: Any, fields: list[str]) -> dict[str, list[Any]]:
         """Rows of the batch: `prompts`, `responses` (token lists), `uid`, and each per-token
