@@ -22,7 +22,9 @@ VLLM_RECIPE_SWITCH = ["trainer.v1.trainer_mode=floe", "actor_rollout_ref.rollout
 # What every run's environment sets (and so the suite's shared Ray cluster's: its workers inherit it).
 RUN_ENV = {"CUDA_VISIBLE_DEVICES": "", "WANDB_MODE": "disabled", "RAY_DEDUP_LOGS": "0",
            "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-RAY_CPUS = 8  # logical CPUs of a run's Ray cluster: verl's workers and agent loops fit on the 2 cores
+# Logical CPUs of a run's Ray cluster: verl's workers and agent loops fit on the 2 cores; verl's
+# one-step off-policy TaskRunner alone asks for 10 (test_one_step.py).
+RAY_CPUS = 12
 
 
 def grpo_recipe(model: Path, train: Path, test: Path, out: Path, steps: int = 3, save_freq: int = -1) -> list[str]:
@@ -81,16 +83,19 @@ def parse_steps(log: str) -> dict[int, dict[str, float]]:
 ON_CPU = "+floe.backend.device=cpu"
 
 
-def run_main_ppo(args: list[str], log_path: Path, timeout_s: int = 900, switch: list[str] = FLOE_SWITCH) -> Run:
-    """`python -m verl.trainer.main_ppo ARGS` with floe's switch keys; killed after `timeout_s`
-    (verl waits forever when an agent loop fails, so every run needs an outer timeout)."""
+def run_main_ppo(args: list[str], log_path: Path, timeout_s: int = 900, switch: list[str] = FLOE_SWITCH,
+                 entrypoint: str = "verl.trainer.main_ppo", cwd: Path | None = None) -> Run:
+    """`python -m <entrypoint> ARGS` (verl's main_ppo, or another of verl's entrypoints, e.g.
+    `verl.experimental.one_step_off_policy.main_ppo`) with floe's switch keys; killed after
+    `timeout_s` (verl waits forever when an agent loop fails, so every run needs an outer timeout).
+    `cwd`: where it runs (verl's experimental configs find their base config relative to it)."""
     env = {**os.environ, **RUN_ENV}
     # hydra.run.dir: hydra's own outputs go next to the log, not into the checkout's outputs/
-    cmd = ["timeout", "-k", "30", str(timeout_s), sys.executable, "-m", "verl.trainer.main_ppo", *switch, *args,
+    cmd = ["timeout", "-k", "30", str(timeout_s), sys.executable, "-m", entrypoint, *switch, *args,
            f"hydra.run.dir={log_path.parent / (log_path.stem + '.hydra')}"]
     start = time.monotonic()
     with open(log_path, "wb") as out:
-        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, check=False)
+        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, check=False, cwd=cwd)
     log = log_path.read_text(errors="replace")
     return Run(proc.returncode, time.monotonic() - start, log, parse_steps(log))
 

@@ -504,3 +504,56 @@ def needs_vllm(recipe: StockRecipe) -> bool:
     same torch engine samples either way (`+floe.backend.sampler.engine.name=torch`)."""
     stock = {key_name(k): k.split("=", 1)[1] for k in recipe.keys}
     return stock.get("actor_rollout_ref.model.lora_rank", "0") != "0" and stock.get("actor_rollout_ref.rollout.name") == "vllm"
+
+
+# verl's one-step off-policy example (`python -m verl.experimental.one_step_off_policy.main_ppo`,
+# its own config one_step_off_ppo_trainer.yaml: bypass-mode rollout correction, a separate rollout
+# pool), at volcengine/verl b178a3cd (2026-01-29; the script last changed in 2bb42bae), the
+# shell defaults of its 8-GPU branch expanded (n_gpus_training = 8 - 2). Run by test_one_step.py.
+ONE_STEP = StockRecipe('one_step_grpo', 'verl/experimental/one_step_off_policy/shell/grpo_0.6b_gsm8k_fsdp2_2_6.sh', (
+    'algorithm.adv_estimator=grpo',
+    'data.train_files=~/verl/data/gsm8k/train.parquet',
+    'data.val_files=~/verl/data/gsm8k/test.parquet',
+    'data.train_batch_size=1152',
+    'data.max_prompt_length=512',
+    'data.max_response_length=1024',
+    'data.filter_overlong_prompts=True',
+    "data.truncation='error'",
+    'actor_rollout_ref.actor.strategy=fsdp2',
+    'critic.strategy=fsdp2',
+    'actor_rollout_ref.model.path=~/verl/models/Qwen3-0.6B',
+    'actor_rollout_ref.actor.optim.lr=1e-6',
+    'actor_rollout_ref.hybrid_engine=False',
+    'actor_rollout_ref.model.use_remove_padding=True',
+    'actor_rollout_ref.actor.ppo_mini_batch_size=192',
+    'actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32',
+    'actor_rollout_ref.actor.use_kl_loss=True',
+    'actor_rollout_ref.actor.kl_loss_coef=0.001',
+    'actor_rollout_ref.actor.kl_loss_type=low_var_kl',
+    'actor_rollout_ref.actor.entropy_coeff=0',
+    'actor_rollout_ref.model.enable_gradient_checkpointing=True',
+    'actor_rollout_ref.actor.fsdp_config.param_offload=False',
+    'actor_rollout_ref.actor.fsdp_config.optimizer_offload=False',
+    'actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32',
+    'actor_rollout_ref.rollout.tensor_model_parallel_size=2',
+    'actor_rollout_ref.rollout.name=vllm',
+    'actor_rollout_ref.rollout.gpu_memory_utilization=0.6',
+    'actor_rollout_ref.rollout.n=5',
+    'actor_rollout_ref.rollout.load_format=safetensors',
+    'actor_rollout_ref.rollout.layered_summon=True',
+    'actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32',
+    'actor_rollout_ref.ref.fsdp_config.param_offload=True',
+    'algorithm.use_kl_in_reward=False',
+    'trainer.critic_warmup=0',
+    'trainer.val_before_train=True',
+    "trainer.logger=['console','tensorboard']",
+    "trainer.project_name='GRPO'",
+    "trainer.experiment_name='GRPO-Qwen3-0.6b-gsm8k-fsdp2-one-step-off-2-6'",
+    'trainer.save_freq=-1',
+    'trainer.test_freq=5',
+    'trainer.total_epochs=2',
+    'trainer.nnodes=1',
+    'trainer.n_gpus_per_node=6',
+    'rollout.nnodes=1',
+    'rollout.n_gpus_per_node=2',
+))

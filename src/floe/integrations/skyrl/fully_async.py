@@ -26,9 +26,7 @@ bounds by ``trainer.fully_async.max_staleness_steps`` in steady state.
 from __future__ import annotations
 
 import inspect
-import json
 import logging
-import statistics
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +37,7 @@ from skyrl.train.generators.base import GeneratorInput, GeneratorOutput
 from floe.errors import InvalidInput
 from floe.integrations.skyrl.dispatch import FloeTrainerMixin
 from floe.integrations.skyrl.inference import record_versions
+from floe.integrations.staleness import append_samples, staleness_stats
 
 log = logging.getLogger("floe.integrations.skyrl")
 VERSIONS_KEY = "floe_weights_versions"  # per output row: the floe weights version that produced it
@@ -93,18 +92,14 @@ class VersionedGenerator:
         return output
 
 
-def staleness_metrics(stalenesses: list[int], versions: list[int], max_staleness_steps: int) -> dict[str, float]:
+def staleness_metrics(now: int, versions: list[int], max_staleness_steps: int) -> dict[str, float]:
     """SkyRL's ``async/staleness_*`` keys (FullyAsyncRayPPOTrainer.convert_generation_group_
-    mini_batch_to_training_input), per sample from floe's versions, plus the versions' range."""
-    return {
-        "async/staleness_mean": statistics.fmean(stalenesses),
-        "async/staleness_max": max(stalenesses),
-        "async/staleness_min": min(stalenesses),
-        "async/staleness_ratio": sum(1 for s in stalenesses if s > 0) / len(stalenesses),
-        "async/staleness_violation_count": sum(1 for s in stalenesses if s > max_staleness_steps),
-        "floe/weights_version_min": min(versions),
-        "floe/weights_version_max": max(versions),
-    }
+    mini_batch_to_training_input), per sample from floe's versions (staleness.staleness_stats),
+    plus the versions' range."""
+    stats = staleness_stats(now, versions, max_staleness_steps)
+    out = {f"async/staleness_{k}": stats[k] for k in ("mean", "max", "min", "ratio", "violation_count")}
+    return {**out, "floe/weights_version_min": stats["weights_version_min"],
+            "floe/weights_version_max": stats["weights_version_max"]}
 
 
 class FloeFullyAsyncTrainer(FloeTrainerMixin, FullyAsyncRayPPOTrainer):
@@ -121,12 +116,9 @@ class FloeFullyAsyncTrainer(FloeTrainerMixin, FullyAsyncRayPPOTrainer):
             cur_generation_group_mini_batch, dropped_groups)
         now = int(self.inference_engine_client.weight_version)  # the policy's version: the last sync
         versions = [v for vs in versions_by_group for v in vs]
-        stalenesses = [now - v for v in versions]
-        if min(stalenesses) < 0:
-            raise RuntimeError(f"a sample has weights version {max(versions)}, newer than the policy's {now}")
         scheduled = {k: self.all_metrics[f"async/staleness_{k}"] for k in ("mean", "max")}
         self.all_metrics.update({f"async/scheduled_staleness_{k}": v for k, v in scheduled.items()})
-        self.all_metrics.update(staleness_metrics(stalenesses, versions, self.max_staleness_steps))
+        self.all_metrics.update(staleness_metrics(now, versions, self.max_staleness_steps))
         if self.all_metrics["async/staleness_violation_count"]:
             log.warning("floe: %s samples are more than trainer.fully_async.max_staleness_steps=%s versions old",
                         self.all_metrics["async/staleness_violation_count"], self.max_staleness_steps)
@@ -141,13 +133,10 @@ class FloeFullyAsyncTrainer(FloeTrainerMixin, FullyAsyncRayPPOTrainer):
         return list(versions)
 
     def _write_samples(self, groups: list[GeneratedOutputGroup], versions_by_group: list[list[int]], now: int) -> None:
-        path = Path(self.cfg.trainer.export_path) / SAMPLES_FILE
-        with path.open("a") as f:  # append-only log, one complete line per sample
-            for g, versions in zip(groups, versions_by_group):
-                for j, v in enumerate(versions):
-                    f.write(json.dumps({"step": self.global_step, "uid": g.uid, "row": j, "weights_version": v,
-                                        "policy_version": now, "staleness": now - v,
-                                        "scheduled_at_step": g.global_step_when_scheduled}) + "\n")
+        append_samples(Path(self.cfg.trainer.export_path) / SAMPLES_FILE, (
+            {"step": self.global_step, "uid": g.uid, "row": j, "weights_version": v, "policy_version": now,
+             "staleness": now - v, "scheduled_at_step": g.global_step_when_scheduled}
+            for g, versions in zip(groups, versions_by_group) for j, v in enumerate(versions)))
 
 
 def check_fully_async(cfg: Any) -> None:

@@ -21,6 +21,10 @@ under a Ray actor that holds the GPU), or a given URL + token. The loss comes fr
 each step from verl's own LR scheduler (schedule.py). Everything crosses to
 floe through the public client API and floe.convert.
 
+Importing it also installs floe's trainer in verl's one-step off-policy entrypoint
+(one_step.py: `python -m verl.experimental.one_step_off_policy.main_ppo` with the same
+`trainer.v1.trainer_mode=floe`; `start_session` is the backend set-up both trainers share).
+
 Pinned to verl==0.9.1: `FloeTrainer._setup` replaces a private method of verl's trainer and
 reads verl's TransferQueue field names.
 """
@@ -32,6 +36,8 @@ import json
 import logging
 import os
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +54,7 @@ from verl.workers.rollout.llm_server import LLMServerManager
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutReplicaRegistry, TokenOutput
 
 import floe
-from floe.convert import RowLayout, verl_sequence_values, verl_to_batch
+from floe.convert import verl_sequence_values, verl_to_batch
 from floe.errors import InvalidInput
 from floe.integrations.hardware import check_server_lora, describe
 from floe.integrations.verl.backend_config import floe_target
@@ -145,24 +151,43 @@ class FloeWorkerGroup:
     def init_model(self) -> None:
         return None
 
-    def _layout(self, batch: Any) -> RowLayout:
-        """The batch's rows as floe groups (prompt and response tokens, grouped by uid)."""
+    # -- how a batch is read and answered: TransferQueue handles (V1). A subclass for verl's
+    # TensorDict batches (one_step.FloeTensorDictWorkerGroup) overrides these methods only.
+
+    def _fetch(self, batch: Any, fields: list[str]) -> dict[str, list[Any]]:
+        """Rows of the batch: `prompts`, `responses` (token lists), `uid`, and each per-token
+        response field of `fields` (lists over the response)."""
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
-                               select_fields=["prompts", "responses", "uid"])
-        return verl_to_batch(_rows(data, "prompts"), _rows(data, "responses"), _non_tensor(data, "uid"))
+                               select_fields=["prompts", "responses", "uid", *fields])
+        return {"uid": _non_tensor(data, "uid"), **{name: _rows(data, name) for name in ["prompts", "responses", *fields]}}
+
+    def _info(self, batch: Any) -> Any:
+        """The batch's settings (temperature, mini-batch size, ...): a mapping with .get."""
+        return batch.extra_info
+
+    def _has(self, batch: Any, field: str) -> bool:
+        return batch.fields is None or field in batch.fields
+
+    def _answer_log_probs(self, batch: Any, fields: dict[str, torch.Tensor]) -> Any:
+        return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
+                               fields=TensorDict(fields, batch_size=[len(batch.keys)]))
+
+    def _answer_update(self, metrics: dict[str, list[float]]) -> Any:
+        return {"metrics": metrics}
 
     def _log_probs(self, batch: Any, zone: str) -> Any:
-        temperature = float(batch.extra_info.get("temperature", 1.0))
-        with_entropy = zone == "policy" and bool(batch.extra_info.get("calculate_entropy", False))
-        layout = self._layout(batch)
+        info = self._info(batch)
+        temperature = float(info.get("temperature", 1.0))
+        with_entropy = zone == "policy" and bool(info.get("calculate_entropy", False))
+        rows = self._fetch(batch, [])
+        layout = verl_to_batch(rows["prompts"], rows["responses"], rows["uid"])
         result = self.client.forward(layout.batch, zone=zone, temperature=temperature, with_entropy=with_entropy)
         self.calls["forward"] += 1
         fields = {"log_probs": _nested(verl_sequence_values(layout, result.logprobs))}
         if with_entropy:
             assert result.entropy is not None
             fields["entropy"] = _nested(verl_sequence_values(layout, result.entropy))
-        return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
-                               fields=TensorDict(fields, batch_size=[len(batch.keys)]))
+        return self._answer_log_probs(batch, fields)
 
     def compute_log_prob(self, batch: Any) -> Any:
         """Policy log-probs (and entropy) over each whole sequence, verl's alignment."""
@@ -181,19 +206,18 @@ class FloeWorkerGroup:
         steps ran at). `mfu` (perf/mfu/actor) is verl's FlopsCounter over the step's sequences and
         the backend's measured seconds of its forward_backward calls, with tokens/s beside it
         (throughput.py)."""
-        info = batch.extra_info
+        info = self._info(batch)
         extra = ["response_mask", "old_log_probs", "advantages"]
         if self.loss.needs_ref_logprobs:
             extra.append("ref_log_prob")
         if self.loss.rollout_is_weights:
-            if batch.fields is not None and "rollout_is_weights" not in batch.fields:
+            if not self._has(batch, "rollout_is_weights"):
                 raise InvalidInput("algorithm.rollout_correction.rollout_is",
                                    "verl's trainer wrote no rollout_is_weights (the batch has no rollout_log_probs)")
             extra.append("rollout_is_weights")
-        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
-                               select_fields=["prompts", "responses", "uid", *extra])
-        prompts, responses, uids = _rows(data, "prompts"), _rows(data, "responses"), _non_tensor(data, "uid")
-        per_token = {name: _rows(data, name) for name in extra}
+        data = self._fetch(batch, extra)
+        prompts, responses, uids = data["prompts"], data["responses"], data["uid"]
+        per_token = {name: data[name] for name in extra}
         if self.loss.rollout_is_weights:  # verl's pg_losses * rollout_is_weights, as A·w (loss_mapping)
             per_token["advantages"] = weighted_advantages(per_token["advantages"], per_token["rollout_is_weights"])
         n = len(uids)
@@ -237,7 +261,7 @@ class FloeWorkerGroup:
         metrics.update(self.throughput.metrics(seqlens, seconds, tokens))
         if "mfu" not in metrics:  # no update ran: verl's trainer pops actor/mfu all the same
             metrics["mfu"] = [0.0]
-        return {"metrics": dict(metrics)}
+        return self._answer_update(dict(metrics))
 
     def _bypass_advantages(self, rows: list[int], prompts: list[list[int]], responses: list[list[int]], uids: list[Any],
                            per_token: dict[str, list[list[float]]], advantages: list[list[float]], temperature: float,
@@ -306,6 +330,7 @@ class FloeWeightSync:
         self.client = client
         self.replicas = replicas
         self.offset: int | None = None
+        self.version: int | None = None  # the last synced version: the policy's weights the next step trains
         self.calls = 0
 
     def update_weights(self, global_steps: int | None = None) -> None:
@@ -314,7 +339,7 @@ class FloeWeightSync:
         if self.offset is None:
             self.offset = self.client.info().sampler_version + 1 - int(global_steps)
             ray.get([s.set_version_offset.remote(self.offset) for r in self.replicas for s in r.servers])
-        self.client.sync_weights(version=self.offset + int(global_steps))
+        self.version = self.client.sync_weights(version=self.offset + int(global_steps)).version
         self.calls += 1
 
     def sleep_replicas(self) -> None:
@@ -327,6 +352,78 @@ class FloeWeightSync:
         return None
 
 
+@dataclass
+class FloeSession:
+    """The floe side of one verl run: the backend (the plugin's own `floe serve`, or `floe.url`'s),
+    the trainer's client, and the worker group that answers verl's actor / reference calls."""
+
+    server: Any  # the plugin's own server (stop() at the end), or None for a floe.url server
+    client: floe.Client
+    worker_group: FloeWorkerGroup
+    policy_devices: int  # floe's policy devices (info().capabilities): perf/throughput's divisor
+
+
+def start_session(config: Any, use_critic: bool, worker_group_cls: type[FloeWorkerGroup] = FloeWorkerGroup,
+                  check: Callable[[dict[str, Any]], None] | None = None) -> FloeSession:
+    """Check the recipe's keys floe cannot honour (InvalidInput naming the key; `check`: the
+    trainer's own checks on the resolved config, run after the shared ones), start or reach
+    the backend (backend_config.floe_target: the `floe` block and the recipe's hardware keys),
+    and build `worker_group_cls` on it with verl's loss, LR schedule and throughput counters.
+    Sets `actor_rollout_ref.rollout.name=floe` in `config`: the recipe's engine (vllm, floe) is
+    now floe's sampler engine (hardware.py), and verl's replica for it is floe's."""
+    cfg = OmegaConf.to_container(config, resolve=True)
+    assert isinstance(cfg, dict)
+    loss = verl_loss(cfg["actor_rollout_ref"]["actor"], cfg.get("algorithm"))
+    if cfg["algorithm"].get("adv_estimator") == "remax":
+        # verl 0.9.1's V1 trainer calls compute_remax_outcome_advantage without the greedy
+        # baseline rollout (only its legacy ray_trainer generates reward_baselines; its one-step
+        # off-policy trainer does not either).
+        raise InvalidInput("algorithm.adv_estimator", "remax needs a greedy baseline rollout per prompt, which verl "
+                           "0.9.1's V1 trainer (the one trainer_mode=floe runs) does not generate; use grpo, rloo or "
+                           "reinforce_plus_plus, or verl's legacy trainer without floe")
+    if use_critic:
+        raise InvalidInput("algorithm.adv_estimator", "floe's verl plugin trains no critic; use a critic-free "
+                           f"estimator such as grpo (got {cfg['algorithm'].get('adv_estimator')!r})")
+    if cfg["reward"]["reward_model"].get("enable"):
+        raise InvalidInput("reward.reward_model.enable", "model-based rewards need a GPU pool; floe's verl plugin "
+                           "runs rule / custom reward functions")
+    target = floe_target(cfg)
+    if target.url is None:  # a floe.url server has GPUs of its own
+        check_cluster_gpus(target.hardware.gpus, "trainer.device", (
+            "trainer.n_gpus_per_node x trainer.nnodes GPUs with trainer.device=cuda (verl 0.9.1 sets cuda even "
+            "on a machine without GPUs); to train on the CPU add +floe.backend.device=cpu"))
+    if check is not None:
+        check(cfg)
+    with open_dict(config):
+        config.actor_rollout_ref.rollout.name = "floe"
+    server: Any = None
+    if target.url is None:
+        backend = dict(target.backend or {})
+        backend.setdefault("state_dir", os.path.abspath(os.path.join(cfg["trainer"]["default_local_dir"], "floe_state")))
+        server = _start_server(backend)
+        url, token = server.url, server.token
+    else:
+        url, token = target.url, target.token or os.environ.get("FLOE_TOKEN")
+    client = _connect(url, token, target.timeout_s)
+    log.warning("floe backend at %s (%s)", url, "started by the plugin" if server else "given")
+    if target.backend is not None:
+        log.warning("%s", describe(target.backend))
+    schedule = VerlSchedule(cfg["actor_rollout_ref"]["actor"]["optim"])
+    model = cfg["actor_rollout_ref"]["model"]
+    capabilities = client.info().capabilities
+    if target.url is not None:
+        check_server_lora(target.hardware.backend.get("lora"), capabilities.get("lora"),
+                          "actor_rollout_ref.model.lora_rank")
+    throughput = ActorThroughput(AutoConfig.from_pretrained(model["path"], trust_remote_code=bool(
+        model.get("trust_remote_code", False))), capabilities)
+    group = worker_group_cls(client, loss, schedule, url, token, target.timeout_s, throughput)
+    # verl makes world_size // (rollout tp * dp * pp) replicas: one, on the floe backend.
+    rollout = cfg["actor_rollout_ref"]["rollout"]
+    group.world_size = (rollout["tensor_model_parallel_size"] * rollout["data_parallel_size"]
+                        * rollout["pipeline_model_parallel_size"])
+    return FloeSession(server, client, group, int(capabilities.get("policy_devices", 1)))
+
+
 @register_trainer("floe")
 class FloeTrainer(PPOTrainerSync):
     """verl's synchronous V1 trainer with a floe backend in place of GPU worker groups."""
@@ -335,66 +432,21 @@ class FloeTrainer(PPOTrainerSync):
         self._init_tokenizer()
         self._init_dataloader()
         self._init_dump_executor()
-        cfg = OmegaConf.to_container(self.config, resolve=True)
-        assert isinstance(cfg, dict)
-        self.floe_loss = verl_loss(cfg["actor_rollout_ref"]["actor"], cfg.get("algorithm"))
-        if cfg["algorithm"].get("adv_estimator") == "remax":
-            # verl 0.9.1's V1 trainer calls compute_remax_outcome_advantage without the greedy
-            # baseline rollout (only its legacy ray_trainer generates reward_baselines).
-            raise InvalidInput("algorithm.adv_estimator", "remax needs a greedy baseline rollout per prompt, which verl "
-                               "0.9.1's V1 trainer (the one trainer_mode=floe runs) does not generate; use grpo, rloo or "
-                               "reinforce_plus_plus, or verl's legacy trainer without floe")
-        if self.use_critic:
-            raise InvalidInput("algorithm.adv_estimator", "floe's verl plugin trains no critic; use a critic-free "
-                               f"estimator such as grpo (got {cfg['algorithm'].get('adv_estimator')!r})")
-        if cfg["reward"]["reward_model"].get("enable"):
-            raise InvalidInput("reward.reward_model.enable", "model-based rewards need a GPU pool; floe's verl plugin "
-                               "runs rule / custom reward functions")
         if self.use_teacher_policy:
             raise InvalidInput("distillation", "on-policy distillation is not supported by floe's verl plugin")
-        target = floe_target(cfg)
-        if target.url is None:  # a floe.url server has GPUs of its own
-            check_cluster_gpus(target.hardware.gpus, "trainer.device", (
-                "trainer.n_gpus_per_node x trainer.nnodes GPUs with trainer.device=cuda (verl 0.9.1 sets cuda even "
-                "on a machine without GPUs); to train on the CPU add +floe.backend.device=cpu"))
-        # The rollout engine the recipe names (vllm) is floe's sampler engine now (hardware.py);
-        # verl's replica for it is floe's.
-        with open_dict(self.config):
-            self.config.actor_rollout_ref.rollout.name = "floe"
-        self.floe_server: Any = None
-        if target.url is None:
-            backend = dict(target.backend or {})
-            backend.setdefault("state_dir", os.path.abspath(os.path.join(cfg["trainer"]["default_local_dir"], "floe_state")))
-            self.floe_server = _start_server(backend)
-            url, token = self.floe_server.url, self.floe_server.token
-        else:
-            url, token = target.url, target.token or os.environ.get("FLOE_TOKEN")
-        client = _connect(url, token, target.timeout_s)
-        log.warning("floe backend at %s (%s)", url, "started by the plugin" if self.floe_server else "given")
-        if target.backend is not None:
-            log.warning("%s", describe(target.backend))
+        session = start_session(self.config, self.use_critic)
+        self.floe_loss = session.worker_group.loss
+        self.floe_server = session.server
+        self.floe_policy_devices = session.policy_devices
         self.ref_in_actor = False
-        schedule = VerlSchedule(cfg["actor_rollout_ref"]["actor"]["optim"])
-        model = cfg["actor_rollout_ref"]["model"]
-        capabilities = client.info().capabilities
-        if target.url is not None:
-            check_server_lora(target.hardware.backend.get("lora"), capabilities.get("lora"),
-                              "actor_rollout_ref.model.lora_rank")
-        self.floe_policy_devices = int(capabilities.get("policy_devices", 1))
-        throughput = ActorThroughput(AutoConfig.from_pretrained(model["path"], trust_remote_code=bool(
-            model.get("trust_remote_code", False))), capabilities)
-        self.actor_rollout_wg = FloeWorkerGroup(client, self.floe_loss, schedule, url, token, target.timeout_s, throughput)
-        # verl makes world_size // (rollout tp * dp * pp) replicas: one, on the floe backend.
-        rollout = cfg["actor_rollout_ref"]["rollout"]
-        self.actor_rollout_wg.world_size = (rollout["tensor_model_parallel_size"] * rollout["data_parallel_size"]
-                                            * rollout["pipeline_model_parallel_size"])
+        self.actor_rollout_wg = session.worker_group
         if self.use_reference_policy:
             self.ref_policy_wg = self.actor_rollout_wg
         self.reward_loop_manager = RewardLoopManager(config=self.config, rm_resource_pool=None)
         self.teacher_model_manager = None
         self.distillation_config = None
         self.llm_server_manager = LLMServerManager.create(config=self.config, worker_group=self.actor_rollout_wg)
-        self.checkpoint_manager = FloeWeightSync(client, self.llm_server_manager.get_replicas())
+        self.checkpoint_manager = FloeWeightSync(session.client, self.llm_server_manager.get_replicas())
         self._load_checkpoint()
 
     def _get_n_gpus_for_throughput(self) -> int:
@@ -531,3 +583,7 @@ class FloeReplica(RolloutReplica):
 
 
 RolloutReplicaRegistry.register("floe", lambda: FloeReplica)
+
+# verl's one-step off-policy entrypoint on floe (trainer.v1.trainer_mode=floe there too): installed
+# here, at `import verl`, before that entrypoint imports its trainer class.
+from floe.integrations.verl import one_step  # noqa: F401
