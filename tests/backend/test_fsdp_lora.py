@@ -37,7 +37,6 @@ import torch.distributed as dist
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
 
-from floe.backend.data_parallel import merge_forward, split_batch
 from floe.backend.policy import PolicyZone
 from floe.backend.policy_lora import LoraPolicyZone
 from floe.config import LoraConfig
@@ -45,15 +44,16 @@ from floe.errors import StateError
 from floe.models import load_model, make_tiny
 from floe.models.lora import AdapterHost
 from tests.backend.test_fsdp import (
-    BUCKET,
     COMPUTE,
     ELEMENT_LR,
     OPT,
     _batches,
     _close,
     _close_weights,
+    _forward,
     _loss,
     _step,
+    _weights_of,
 )
 from tests.spawn import RANK_TIMEOUT_S, collective_timeout, run_ranks
 
@@ -72,15 +72,6 @@ def _adapter(zone: Any) -> dict[str, torch.Tensor]:
     """The whole adapter by peft name (collective on the ranks)."""
     return {k: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
             for k, p in zone.host.named_parameters("policy").items()}
-
-
-def _merged(zone: Any) -> dict[str, torch.Tensor]:
-    if isinstance(zone, PolicyZone):
-        return {k: v.clone() for k, v in zone.publish().tensors.items()}
-    out: dict[str, torch.Tensor] = {}
-    for bucket in zone.full_tensor_buckets(BUCKET):
-        out.update(bucket)
-    return out
 
 
 def _save(zone: Any, directory: Path, rank: int = 0) -> None:
@@ -118,13 +109,8 @@ def _rank_main(rank: int, world: int, model_dir: str, work: str) -> None:
             if i == 2:
                 _save(zone, out / "state2", rank)
             record["steps"].append(_step(zone, batch, _loss(i), world))
-        shares = split_batch(batches[1], world, None)
-        fw = zone.forward(shares[rank], 1.0, True)
-        parts: list[Any] = [None] * world
-        dist.all_gather_object(parts, fw, group=zone.group)
-        merged = merge_forward(len(batches[1].groups), shares, parts)
-        record["forward"] = {"logprobs": merged.logprobs, "entropy": merged.entropy}
-        final_adapter, final_merged = _adapter(zone), _merged(zone)
+        record["forward"] = _forward(zone, batches[1], world)
+        final_adapter, final_merged = _adapter(zone), _weights_of(zone)
         zone.export_hf(out / "export")
         # Exact resume on the ranks: state2 back, step 3 again.
         _load(zone, out / "state2")
@@ -177,7 +163,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {
         "work": work, "model_dir": model_dir, "local_steps": steps, "local_forward": forward,
         "local_initial": initial, "local_adapter": {k: v.clone() for k, v in local.model.state_dict().items()},
-        "local_merged": _merged(local), "record": json.loads((work / "train" / "record.json").read_text()),
+        "local_merged": _weights_of(local), "record": json.loads((work / "train" / "record.json").read_text()),
         "local": local,
     }
 
