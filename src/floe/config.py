@@ -389,11 +389,6 @@ class BackendConfig(StrictModel):
     @model_validator(mode="after")
     def _placement_fits(self) -> BackendConfig:
         placement = self.placement
-        if self.lora is not None and isinstance(placement, RayPlacement):
-            raise ValueError(
-                "lora with placement.kind = \"ray\" is not supported yet: the FSDP2 ranks of the Ray policy "
-                "(floe.backend.policy_sharded) do not wrap a peft adapter; use placement.kind = \"local\" or drop [lora]"
-            )
         if isinstance(placement, RayPlacement):
             if not self.device.startswith("cuda"):
                 for key, zone in (("policy", placement.policy), ("sampler", placement.sampler),

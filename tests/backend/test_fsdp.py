@@ -151,6 +151,16 @@ def _step(zone: Any, batch: floe.Batch, spec: LossSpec, world: int, grads: dict 
     return {"metrics": fb.metrics, "logprobs": fb.logprobs, "grad_norm": st.grad_norm, "step": st.step, "lr": st.lr}
 
 
+def _forward(zone: Any, batch: floe.Batch, world: int) -> dict[str, Any]:
+    """Collective: a sharded zone's forward with entropy over `batch`, merged as plain data."""
+    shares = split_batch(batch, world, None)
+    fw = zone.forward(shares[zone.rank], 1.0, True)
+    parts: list[Any] = [None] * world
+    dist.all_gather_object(parts, fw, group=zone.group)
+    merged = merge_forward(len(batch.groups), shares, parts)
+    return {"logprobs": merged.logprobs, "entropy": merged.entropy}
+
+
 def _rank_main(rank: int, world: int, scenario: str, model_dir: str, work: str) -> None:
     from floe.backend.policy_sharded import ShardedPolicyZone
 
@@ -184,12 +194,7 @@ def _rank_main(rank: int, world: int, scenario: str, model_dir: str, work: str) 
                 record["steps"].append(_step(zone, batch, _loss(i), world, first_grads if i == 0 else None))
             if rank == 0:
                 save_file(first_grads, str(out / "first_grads.safetensors"))
-            shares = split_batch(batches[1], world, None)
-            fw = zone.forward(shares[rank], 1.0, True)
-            parts: list[Any] = [None] * world
-            dist.all_gather_object(parts, fw, group=zone.group)
-            merged = merge_forward(len(batches[1].groups), shares, parts)
-            record["forward"] = {"logprobs": merged.logprobs, "entropy": merged.entropy}
+            record["forward"] = _forward(zone, batches[1], world)
             record["all_finite"] = zone.all_finite()
             final = _weights_of(zone)
             zone.export_hf(out / "export")

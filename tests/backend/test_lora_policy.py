@@ -187,7 +187,7 @@ def test_bad_lora_keys_are_refused_by_name(lora, field):
     assert e.value.field == f"BackendConfig.{field}"
 
 
-def test_lora_names_the_models_modules_and_refuses_ray_and_tied_heads(make_client, tmp_path):
+def test_lora_names_the_models_modules_and_refuses_tied_heads(make_client, tmp_path):
     with pytest.raises(InvalidInput) as e:
         make_client(lora={**LORA, "target_modules": ["qkv_proj"]})
     assert e.value.field == "lora.target_modules" and "q_proj" in str(e.value)
@@ -197,8 +197,8 @@ def test_lora_names_the_models_modules_and_refuses_ray_and_tied_heads(make_clien
     with pytest.raises(InvalidInput) as e:
         make_client(lora={**LORA, "exclude_modules": ["nope"]})
     assert e.value.field == "lora.exclude_modules"
-    with pytest.raises(InvalidInput, match="ray"):
-        floe.BackendConfig(model="m", lora=LORA, placement={"kind": "ray"})
+    # the Ray placement trains it on FSDP2 ranks (tests/backend/test_fsdp_lora.py, tests/ray/test_lora.py)
+    assert floe.BackendConfig(model="m", lora=LORA, placement={"kind": "ray"}).lora is not None
     tied = make_tiny(tmp_path / "tied", hidden_size=32, num_hidden_layers=1, tie_word_embeddings=True)
     with pytest.raises(InvalidInput) as e:
         make_client(model=str(tied), lora={**LORA, "target_modules": ["q_proj", "lm_head"]})

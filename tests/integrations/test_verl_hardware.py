@@ -213,6 +213,10 @@ def test_verl_lora_keys_become_floes_lora_table():
                                    "actor_rollout_ref.rollout.tensor_model_parallel_size": 1,
                                    "actor_rollout_ref.rollout.free_cache_engine": False}))
     assert one_gpu["lora"]["rank"] == 64 and one_gpu["placement"] == {"kind": "local"}
+    # 8 GPUs map to the Ray placement, whose FSDP2 ranks train the adapter too (backend.policy_sharded_lora)
+    eight = backend_of(recipe(**{**VERL_LORA, "trainer.device": "cuda"}))
+    assert eight["placement"]["kind"] == "ray" and eight["lora"]["rank"] == 64
+    assert floe.BackendConfig.model_validate(eight).lora is not None  # the config takes it as it is
 
 
 @pytest.mark.parametrize(("changes", "field"), [
@@ -223,7 +227,6 @@ def test_verl_lora_keys_become_floes_lora_table():
     ({f"{M}.target_parameters": ["experts.weight"]}, f"{M}.target_parameters"),
     ({f"{M}.lora_adapter_path": "/adapters/a"}, f"{M}.lora_adapter_path"),
     ({f"{M}.lora": {"rank": 8}}, f"{M}.lora.rank"),
-    ({"trainer.device": "cuda"}, f"{M}.lora_rank"),  # 8 GPUs: the Ray placement has no LoRA policy yet
 ])
 def test_verl_lora_settings_floe_cannot_honour_are_refused_by_their_verl_key(changes, field):
     with pytest.raises(floe.InvalidInput) as e:

@@ -38,7 +38,8 @@ moments. Published and exported tensors are cast back to the model's loaded dtyp
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,16 @@ from floe.backend.policy import (
     score_flat,
 )
 from floe.backend.scoring import plan_batch, uses_prefix_dedup
-from floe.backend.state import POLICY_RNG_FILE, TIED, policy_layout, read_policy_files, saved_shapes, tied_names, with_tied
+from floe.backend.state import (
+    POLICY_RNG_FILE,
+    TIED,
+    ZoneState,
+    policy_layout,
+    read_policy_files,
+    saved_shapes,
+    tied_names,
+    with_tied,
+)
 from floe.compute.layout import GroupPart, MicroBatch
 from floe.compute.losses import LossSpec
 from floe.config import ComputeConfig, OptimizerConfig
@@ -85,14 +95,17 @@ class _Scorer(torch.nn.Module):
     """The root FSDP unit: owns the model, scores one micro-batch in its forward (so FSDP's
     hooks wrap the whole scoring) and returns plain tensors (FSDP hooks tensor outputs)."""
 
-    def __init__(self, model: PreTrainedModel):
+    def __init__(self, model: PreTrainedModel, scoring: Any = None):
         super().__init__()
         self.model = model
+        # What scoring reads when it is not `model` (a LoRA policy's AdapterView: the adapted LM
+        # head). Not a Module, so not registered: FSDP shards `model` alone.
+        self.scoring = scoring
 
     def forward(  # type: ignore[override]
         self, batch: Batch, mb: MicroBatch, temperature: float, with_entropy: bool, compute: ComputeConfig
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        logp, entropy = score_flat(self.model, batch, mb, temperature, with_entropy, compute)
+        logp, entropy = score_flat(self.model if self.scoring is None else self.scoring, batch, mb, temperature, with_entropy, compute)
         return logp, entropy if entropy is not None else logp.new_zeros(0)
 
 
@@ -100,7 +113,10 @@ class ShardedPolicyZone:
     """The rank side of a data-parallel `PolicyWorker` (see the module docstring).
 
     `model` is loaded by the caller on `device` (fp32 or bf16); `group` is the policy's
-    data-parallel process group (this rank's place in it is `rank` of `world_size`)."""
+    data-parallel process group (this rank's place in it is `rank` of `world_size`). Its
+    trainable parameters (requires_grad) are what AdamW steps; frozen ones are sharded too and
+    get no gradient (`policy_sharded_lora`: a frozen base and its adapter). `scoring`: what
+    scores a micro-batch when it is not `model` itself (a LoRA policy's AdapterView)."""
 
     def __init__(
         self,
@@ -109,6 +125,7 @@ class ShardedPolicyZone:
         compute: ComputeConfig,
         group: dist.ProcessGroup,
         device: torch.device,
+        scoring: Any = None,
     ):
         self.group = group
         self.rank = dist.get_rank(group)
@@ -118,7 +135,9 @@ class ShardedPolicyZone:
         self.optimizer_config = optimizer
         prepare_model(model, compute)
         trainable = [p for p in model.parameters() if p.requires_grad]
-        bf16 = needs_masters(trainable)  # InvalidInput("dtype") for float16
+        # Every parameter, frozen ones too: FSDP all-gathers a unit in one dtype (peft keeps a
+        # bf16 base's adapter in fp32), so a bf16 model is sharded in fp32 as a whole.
+        bf16 = needs_masters(list(model.parameters()))  # InvalidInput("dtype") for float16
         # The dtypes published and exported: the model's own, whatever the shards hold.
         self.out_dtypes = {name: t.dtype for name, t in model.state_dict().items()}
         if bf16:
@@ -134,7 +153,7 @@ class ShardedPolicyZone:
         for layer in model.get_decoder().layers:  # type: ignore[union-attr]  (a ModuleList)
             units.append(fully_shard(layer, mesh=mesh, mp_policy=mp))
         self.model = model
-        self.scorer: torch.nn.Module = _Scorer(model)
+        self.scorer: torch.nn.Module = _Scorer(model, scoring)
         units.append(fully_shard(self.scorer, mesh=mesh, mp_policy=mp))  # shards in place
         for unit in units:
             assert isinstance(unit, FSDPModule)
@@ -142,6 +161,7 @@ class ShardedPolicyZone:
             unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM), no division
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.tied = tied_names(model)  # other name -> first name of each tied tensor (still one parameter after sharding)
+        self.out_tied = self.tied  # the same by published name (`_published`)
         self.optimizer = make_adamw(self.params, optimizer)
         self.step = 0
         self.pending_calls = 0
@@ -258,17 +278,15 @@ class ShardedPolicyZone:
         bucket: dict[str, torch.Tensor] = {}
         size = 0
         aliases: dict[str, list[str]] = {}  # first name -> its tied names: gathered once, in the first name's bucket
-        for other, first in self.tied.items():
+        for other, first in self.out_tied.items():
             aliases.setdefault(first, []).append(other)
-        for name, t in self.model.state_dict().items():
-            if name in self.tied:
-                continue
+        for name, held, gather in self._published():
             dtype = self.out_dtypes[name]
-            nbytes = t.numel() * dtype.itemsize
+            nbytes = held.numel() * dtype.itemsize
             if size and size + nbytes > bucket_bytes:
                 yield bucket if self.rank == 0 else {}
                 bucket, size = {}, 0
-            full = t.full_tensor() if isinstance(t, DTensor) else t
+            full = gather()
             if self.rank == 0:
                 bucket[name] = full.detach().to(dtype, copy=True)
                 for other in aliases.get(name, ()):  # the same tensor object: a broadcast sends it once
@@ -280,6 +298,13 @@ class ShardedPolicyZone:
             size += nbytes
         if size:
             yield bucket if self.rank == 0 else {}
+
+    def _published(self) -> Iterator[tuple[str, torch.Tensor, Callable[[], torch.Tensor]]]:
+        """(published name, the tensor as this rank holds it, gather: collective, its full value)
+        for every published tensor but the tied aliases (`out_tied`), in state-dict order."""
+        for name, t in self.model.state_dict().items():
+            if name not in self.out_tied:
+                yield name, t, partial(full_tensor, t)
 
     def export_hf(self, directory: Path) -> None:
         """Collective. Rank 0 writes the full weights (the model's dtypes) and config as an
@@ -356,21 +381,20 @@ class ShardedPolicyZone:
         if not self._all_agree(not failed):
             raise StateError(f"save_state: policy rank 0 could not write {POLICY_RNG_FILE} under {directory}"
                              + (f": {failed}" if failed else ""))
+        meta = {**self._optimizer_meta(), "policy_layout": "sharded"}
+        if self.tied:
+            meta[TIED] = self.tied
+        return meta
+
+    def _optimizer_meta(self) -> dict[str, Any]:
+        """state.json's step, param_groups and optimizer_scalars (AdamW's non-tensor values)."""
         opt = self.optimizer.state_dict()
         scalars: dict[str, dict[str, Any]] = {}
         for idx, param_state in opt["state"].items():
             for key, value in param_state.items():
                 if not isinstance(value, torch.Tensor):
                     scalars.setdefault(str(idx), {})[key] = value
-        meta: dict[str, Any] = {
-            "step": self.step,
-            "param_groups": opt["param_groups"],
-            "optimizer_scalars": scalars,
-            "policy_layout": "sharded",
-        }
-        if self.tied:
-            meta[TIED] = self.tied
-        return meta
+        return {"step": self.step, "param_groups": opt["param_groups"], "optimizer_scalars": scalars}
 
     def _all_agree(self, ok: bool) -> bool:
         """Collective: True when `ok` on every rank (so every rank takes the same branch)."""
@@ -413,20 +437,30 @@ class ShardedPolicyZone:
             state_sharded.load_sharded(directory, targets, self.group)
             opt_state: dict[int, dict[str, Any]] = dict(opt_targets)
             rng = state_sharded.read_rng(directory)
+            self._restore(opt_state, rng, meta)
         else:
-            part = read_policy_files(directory, meta)
-            live = self.model.state_dict()
-            for name, full in part.tensors["policy.safetensors"].items():
-                self._assign(live[name], full)
-            opt_state = {}
-            for key, value in part.tensors["optimizer.safetensors"].items():
-                idx, field = key.split(".", 1)
-                param = self.params[int(idx)]
-                if value.dim() and tuple(value.shape) == tuple(param.shape):
-                    assert isinstance(param, DTensor)
-                    value = distribute_tensor(value.to(param.dtype), self.mesh, param.placements, src_data_rank=None)
-                opt_state.setdefault(int(idx), {})[field] = value
-            rng = part.tensors["rng.safetensors"]["torch_cpu"]
+            self.load_whole(read_policy_files(directory, meta), self.model.state_dict())
+
+    @torch.no_grad()
+    def load_whole(self, part: ZoneState, live: Mapping[str, torch.Tensor]) -> None:
+        """Apply a state of whole tensors (`PolicyZone.state_part`'s shape: "policy.safetensors"
+        by the names of `live`, the tensors it fills; AdamW tensors by parameter index): every
+        rank reads it all and keeps its shards. Not collective."""
+        for name, full in part.tensors["policy.safetensors"].items():
+            self._assign(live[name], full)
+        opt_state: dict[int, dict[str, Any]] = {}
+        for key, value in part.tensors["optimizer.safetensors"].items():
+            idx, field = key.split(".", 1)
+            param = self.params[int(idx)]
+            if value.dim() and tuple(value.shape) == tuple(param.shape):
+                assert isinstance(param, DTensor)
+                value = distribute_tensor(value.to(param.dtype), self.mesh, param.placements, src_data_rank=None)
+            opt_state.setdefault(int(idx), {})[field] = value
+        self._restore(opt_state, part.tensors["rng.safetensors"]["torch_cpu"], part.meta)
+
+    def _restore(self, opt_state: dict[int, dict[str, Any]], rng: torch.Tensor, meta: dict[str, Any]) -> None:
+        """The loaded AdamW state (this rank's shards) with the configured hyper-parameters, the
+        step and the RNG; gradients not yet applied are discarded."""
         for idx, values in meta.get("optimizer_scalars", {}).items():
             opt_state.setdefault(int(idx), {}).update(values)
         configured = self.optimizer.state_dict()["param_groups"]
@@ -446,3 +480,8 @@ class ShardedPolicyZone:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a shard (collective over its mesh) or a replicated tensor itself."""
+    return t.full_tensor() if isinstance(t, DTensor) else t

@@ -62,23 +62,18 @@ def _module_names(value: Any, key: str, allow_all_linear: bool) -> list[str] | s
     return list(value)
 
 
-def lora_table(rank: Any, alpha: Any, target_modules: Any, exclude_modules: Any, keys: Mapping[str, str],
-               placement: Mapping[str, Any]) -> dict[str, Any] | None:
+def lora_table(rank: Any, alpha: Any, target_modules: Any, exclude_modules: Any,
+               keys: Mapping[str, str]) -> dict[str, Any] | None:
     """floe's `[lora]` table (BackendConfig.lora) from a framework's LoRA settings; None when
     `rank` is 0 (LoRA off). `keys` names each setting's framework key ("rank", "alpha",
-    "target_modules", "exclude_modules"), for InvalidInput; `placement` is the mapped
-    BackendConfig placement: the Ray placement has no LoRA policy yet, so LoRA there is refused
-    by the rank's key."""
+    "target_modules", "exclude_modules"), for InvalidInput. Every placement trains it (the
+    local one in one process, the Ray one on FSDP2 ranks)."""
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
         raise InvalidInput(keys["rank"], f"must be an integer >= 0 (0 = no LoRA), got {rank!r}")
     if rank == 0:
         return None
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
         raise InvalidInput(keys["alpha"], f"must be a number > 0, got {alpha!r}")
-    if placement.get("kind", "local") != "local":
-        raise InvalidInput(keys["rank"], "floe trains a LoRA adapter on the local placement only (one process: the CPU, "
-                                         "or one GPU without colocation); the Ray placement this recipe maps to (several "
-                                         "GPUs, or one shared by training and generation) has no FSDP2 LoRA policy yet")
     table: dict[str, Any] = {"rank": rank, "alpha": float(alpha),
                              "target_modules": _module_names(target_modules, keys["target_modules"], True)}
     if exclude_modules not in (None, [], ""):

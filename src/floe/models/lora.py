@@ -255,10 +255,12 @@ class AdapterHost:
     def sampling_view(self) -> SamplingView:
         return SamplingView(self)
 
-    def save_adapter(self, name: str, directory: Path) -> None:
-        """Write a peft adapter directory for `name` into `directory` (which exists)."""
-        tensors = {k: v.detach().cpu().contiguous().clone() for k, v in self.named_parameters(name).items()}
-        save_file(tensors, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+    def save_adapter(self, name: str, directory: Path, tensors: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Write a peft adapter directory for `name` into `directory` (which exists): its live
+        tensors, or `tensors` by the same names (a sharded policy passes the gathered ones)."""
+        source = self.named_parameters(name) if tensors is None else tensors
+        out = {k: v.detach().cpu().contiguous().clone() for k, v in source.items()}
+        save_file(out, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
         assert self.peft is not None
         config = self.peft.peft_config[name].to_dict()
         config["base_model_name_or_path"] = self.base_path
@@ -269,23 +271,40 @@ class AdapterHost:
 
     def merged_state_dict(self, name: str) -> dict[str, torch.Tensor]:
         """The base model's state dict (its own names) with adapter `name` merged into every
-        adapted layer: W' = W + scaling·B·A (peft `LoraLayer.get_delta_weight`; scaling =
-        lora_alpha / r). Tensors of layers the adapter does not touch are the base's own
-        (not copied, ties kept); merged ones are new tensors of the base weight's dtype."""
+        adapted layer: W' = W + scaling·B·A (`merge_weight`; scaling = lora_alpha / r). Tensors of
+        layers the adapter does not touch are the base's own (not copied, ties kept); merged ones
+        are new tensors of the base weight's dtype."""
         assert self.peft is not None
-        model = self.model
         out: dict[str, torch.Tensor] = {}
-        for key, tensor in model.state_dict().items():
-            if ".lora_" in key:
-                continue
-            out[key.replace(".base_layer.", ".")] = tensor.detach()
         with torch.no_grad():
-            for module_name, module in model.named_modules():
-                if isinstance(module, LoraLayer) and name in module.lora_A:
-                    layer: Any = module  # a peft lora.Linear (LoraLayer declares no get_delta_weight)
-                    weight = layer.get_base_layer().weight
-                    out[f"{module_name}.weight"] = weight + layer.get_delta_weight(name).to(weight.dtype)
+            for key, tensor, layer in merged_entries(self.model, name):
+                if layer is None:
+                    out[key] = tensor.detach()
+                else:
+                    out[key] = merge_weight(tensor, layer, name, layer.lora_A[name].weight, layer.lora_B[name].weight)
         return out
+
+
+def merged_entries(model: torch.nn.Module, name: str) -> Iterator[tuple[str, torch.Tensor, Any]]:
+    """What merging adapter `name` into `model` (the HF model with LoRA layers injected) gives,
+    in state-dict order: (the base model's name, the tensor `model` holds under it, the peft
+    LoRA layer whose weight it is, or None for a tensor the adapter leaves alone). The adapter's
+    own tensors are not entries. A sharded policy gathers these tensors before merging them."""
+    adapted = {f"{module_name}.base_layer.weight": module for module_name, module in model.named_modules()
+               if isinstance(module, LoraLayer) and name in module.lora_A}
+    for key, tensor in model.state_dict().items():
+        if ".lora_" not in key:
+            yield key.replace(".base_layer.", "."), tensor, adapted.get(key)
+
+
+def merge_weight(weight: torch.Tensor, layer: Any, name: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """W + scaling·B·A in `weight`'s dtype, for the peft lora.Linear `layer` (its scaling and
+    fan_in_fan_out) with adapter `name`'s matrices `a` and `b` given whole (peft's
+    `get_delta_weight` formula, computed in fp32 like peft does on the CPU)."""
+    delta = b.float() @ a.float()
+    if layer.fan_in_fan_out:
+        delta = delta.T
+    return weight + (delta * layer.scaling[name]).to(weight.dtype)
 
 
 def load_tensors(own: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> None:

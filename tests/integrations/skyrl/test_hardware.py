@@ -202,7 +202,10 @@ def test_skyrl_lora_settings_floe_cannot_honour_are_refused_by_their_skyrl_key(c
     assert e.value.field == f"{L}.{key}"
 
 
-def test_skyrl_lora_on_the_ray_placement_is_refused_by_the_rank():
-    with pytest.raises(floe.InvalidInput) as e:  # SkyRL's default: one GPU shared by training and generation
-        skyrl_hardware(*sections(**{L: _lora()}))
-    assert e.value.field == f"{L}.rank" and "local placement" in str(e.value)
+def test_skyrl_lora_maps_to_the_ray_placement_too():
+    # SkyRL's default (one GPU shared by training and generation) is the Ray placement, colocated:
+    # its FSDP2 ranks train the adapter (backend.policy_sharded_lora)
+    backend = backend_of(**{L: _lora()})
+    assert backend["placement"]["kind"] == "ray" and backend["placement"]["colocate"] is True
+    assert backend["lora"]["rank"] == 32
+    assert floe.BackendConfig.model_validate(backend).lora is not None

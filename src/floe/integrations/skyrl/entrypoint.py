@@ -138,7 +138,7 @@ def connect_floe(cfg: FloeSkyRLConfig) -> floe.Client:
                                "configuration: drop one of them")
         client = floe.connect(block.url, token=block.token)
         trainer = cfg.trainer
-        recipe_lora = skyrl_lora(asdict(trainer.policy.model.lora), {"kind": "local"})  # the server's own placement
+        recipe_lora = skyrl_lora(asdict(trainer.policy.model.lora))
         check_server_lora(recipe_lora, client.info().capabilities.get("lora"), "trainer.policy.model.lora.rank")
         return client
     backend, _ = embedded_backend(cfg)

@@ -18,7 +18,7 @@ says ``floe.backend.device=cpu``.
 | generator.inference_engine.backend (vllm) | sampler.engine.name |
 | generator.inference_engine.model_dtype | sampler.engine.dtype |
 | generator.inference_engine.{gpu_memory_utilization, enforce_eager, max_num_seqs, enable_prefix_caching, max_num_batched_tokens, enable_chunked_prefill} | the vLLM engine's keys of the same names |
-| trainer.policy.model.lora.{rank (> 0), alpha, dropout (0), target_modules, exclude_modules, init_method (kaiming, gaussian)} | lora.{rank, alpha, dropout, target_modules, exclude_modules, init} (`skyrl_lora`; local placement only) |
+| trainer.policy.model.lora.{rank (> 0), alpha, dropout (0), target_modules, exclude_modules, init_method (kaiming, gaussian)} | lora.{rank, alpha, dropout, target_modules, exclude_modules, init} (`skyrl_lora`; on either placement) |
 | trainer.policy.model.lora.{lora_sync_path, sync_mode, share_expert_adapters, max_loras, max_cpu_loras} | SkyRL's defaults only (floe syncs merged weights in memory) |
 | generator.inference_engine.num_engines × tensor_parallel_size × data_parallel_size | must divide G: one single-GPU sampler replica per GPU |
 """
@@ -76,14 +76,14 @@ _LORA_OFF: dict[str, tuple[Any, str]] = {
 _INIT = {"kaiming": "kaiming", "true": "kaiming", "gaussian": "gaussian"}
 
 
-def skyrl_lora(lora: Mapping[str, Any], placement: Mapping[str, Any]) -> dict[str, Any] | None:
+def skyrl_lora(lora: Mapping[str, Any]) -> dict[str, Any] | None:
     """floe's `[lora]` table from ``trainer.policy.model.lora`` (``asdict``; None for rank 0):
     rank, alpha, dropout (0 only), target_modules, exclude_modules, init_method (kaiming or
     gaussian, peft's init_lora_weights as SkyRL's FSDP worker passes it); the sync and serving
     keys keep their defaults (`_LORA_OFF`). InvalidInput naming the SkyRL key otherwise."""
     table = lora_table(lora.get("rank", 0), lora.get("alpha", 16), lora.get("target_modules", "all-linear"),
                        lora.get("exclude_modules"), {k: f"{_LORA}.{k}" for k in
-                                                     ("rank", "alpha", "target_modules", "exclude_modules")}, placement)
+                                                     ("rank", "alpha", "target_modules", "exclude_modules")})
     if table is None:
         return None
     if lora.get("dropout", 0.0) != 0:
@@ -166,7 +166,7 @@ def skyrl_hardware(trainer: Mapping[str, Any], generator: Mapping[str, Any], dev
     attn = "flash_attention_2" if on_gpu and trainer.get("flash_attn", True) else "auto"
     backend = {"device": device, "dtype": dtype, "attn_implementation": attn, "compute": compute,
                "sampler": {"engine": engine}, "placement": placement}
-    lora = skyrl_lora((policy.get("model") or {}).get("lora") or {}, placement)
+    lora = skyrl_lora((policy.get("model") or {}).get("lora") or {})
     if lora is not None:
         backend["lora"] = lora
     return SkyRLHardware(backend, gpus, "vllm")

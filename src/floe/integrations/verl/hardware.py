@@ -24,7 +24,7 @@ them and why they change no number.
 | rollout.tensor_model_parallel_size × data_parallel_size | must divide the GPUs: floe runs one single-GPU sampler replica per GPU |
 | rollout.dtype | sampler.engine.dtype |
 | rollout.{gpu_memory_utilization, enforce_eager, max_num_seqs, max_model_len, enable_prefix_caching, max_num_batched_tokens, enable_chunked_prefill} | the vLLM engine's keys of the same names |
-| model.lora_rank (> 0), lora_alpha | lora.rank, lora.alpha (`verl_lora`; local placement only) |
+| model.lora_rank (> 0), lora_alpha | lora.rank, lora.alpha (`verl_lora`; on either placement) |
 | model.target_modules ("all-linear" or names), exclude_modules (a name or names) | lora.target_modules, lora.exclude_modules |
 | model.target_parameters, lora_adapter_path, lora.rank (Megatron) | refused unless null / 0 |
 | rollout.layered_summon, model.use_shm | accepted: memory / file-copy details of verl's own sync and loading; floe syncs merged weights itself |
@@ -96,7 +96,7 @@ def _must_be(cfg: Mapping[str, Any], dotted: str, allowed: tuple[Any, ...], why:
         raise InvalidInput(dotted, f"{why} (got {value!r})")
 
 
-def verl_lora(cfg: Mapping[str, Any], placement: Mapping[str, Any]) -> dict[str, Any] | None:
+def verl_lora(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
     """floe's `[lora]` table from verl's FSDP LoRA keys of `actor_rollout_ref.model` (None for
     lora_rank 0), per the module's table; InvalidInput naming the verl key for the LoRA settings
     floe cannot honour: target_parameters (adapters on bare nn.Parameters), lora_adapter_path
@@ -111,7 +111,7 @@ def verl_lora(cfg: Mapping[str, Any], placement: Mapping[str, Any]) -> dict[str,
                       _get(cfg, f"{MODEL}.target_modules", "all-linear"), _get(cfg, f"{MODEL}.exclude_modules"),
                       {k: f"{MODEL}.{v}" for k, v in (("rank", "lora_rank"), ("alpha", "lora_alpha"),
                                                        ("target_modules", "target_modules"),
-                                                       ("exclude_modules", "exclude_modules"))}, placement)
+                                                       ("exclude_modules", "exclude_modules"))})
     if lora is not None and _get(cfg, f"{MODEL}.lora_adapter_path") is not None:
         raise InvalidInput(f"{MODEL}.lora_adapter_path", "floe starts the adapter from peft's init (B = 0) and resumes "
                                                          "its own states (trainer.resume_mode); set it null")
@@ -196,7 +196,7 @@ def verl_hardware(cfg: Mapping[str, Any], device: str | None = None) -> VerlHard
         "device": device, "dtype": dtype, "trust_remote_code": _flag(cfg, f"{MODEL}.trust_remote_code", False),
         "compute": compute, "sampler": {"engine": sampler_engine}, "placement": placement,
     }
-    lora = verl_lora(cfg, placement)
+    lora = verl_lora(cfg)
     if lora is not None:
         backend["lora"] = lora
     return VerlHardware(backend, gpus, engine)

@@ -107,7 +107,7 @@ class _GroupMember(_Host):
 
 
 class PolicyRankHost(_GroupMember):
-    """One policy rank (`ShardedPolicyZone`), plus the reference model in rank 0 when
+    """One policy rank (`ShardedPolicyZone`; `ShardedLoraPolicyZone` with `[lora]`), plus the reference model in rank 0 when
     `placement.reference.colocate_with_policy`."""
 
     def __init__(self, config: dict[str, Any], rank: int, with_reference: bool):
@@ -137,8 +137,15 @@ class PolicyRankHost(_GroupMember):
                                 rank=self.rank, timeout=timedelta(seconds=timeout_s))
         if self.rank == 0:
             self._join_sync(address, sync_port, 0, sync_world, sync_backend, timeout_s)
-        self.zone = ShardedPolicyZone(self.model, self.config.optimizer, self.config.compute, dist.group.WORLD,
-                                      self.device)
+        c = self.config
+        if c.lora is not None:  # the base frozen, a peft adapter trained (the reference and samplers load the base)
+            from floe.backend.policy_sharded_lora import ShardedLoraPolicyZone  # noqa: PLC0415
+            from floe.models.lora import AdapterHost  # noqa: PLC0415
+
+            self.zone = ShardedLoraPolicyZone(AdapterHost(self.model, c.model), c.lora, c.seed, c.optimizer, c.compute,
+                                              dist.group.WORLD, self.device)
+        else:
+            self.zone = ShardedPolicyZone(self.model, c.optimizer, c.compute, dist.group.WORLD, self.device)
         del self.model
 
     def reference_forward(self, *args: Any) -> Any:
