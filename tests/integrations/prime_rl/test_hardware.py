@@ -13,6 +13,7 @@ import tomllib
 from floe.config import BackendConfig
 from floe.errors import InvalidInput
 from floe.integrations.prime_rl.hardware import SHARED_GPU_MEMORY, prime_hardware
+from floe.integrations.prime_rl.lora import parse_lora, server_lora
 
 
 def backend_of(raw: dict, gpus: int, overlay: dict | None = None) -> tuple[BackendConfig, list[str]]:
@@ -103,9 +104,9 @@ def test_stock_recipes_map_onto_a_gpu_box_and_are_refused_cleanly_on_the_cpu(rec
     raw = tomllib.loads((prime_rl_root() / "examples/basic" / recipe / "rl.toml").read_text())
     gpus, ranks, replicas, engine = STOCK[recipe]
     hw = prime_hardware(raw, gpus, {})
-    backend = dict(hw.backend)
-    backend.pop("lora", None)  # trainer.model.lora is lora.server_lora's (the launcher adds it)
-    config = BackendConfig.model_validate({"model": "m", **backend})
+    lora = parse_lora(((raw.get("trainer") or {}).get("model") or {}).get("lora"))
+    config = BackendConfig.model_validate({"model": "m", **server_lora(lora, hw.backend)})  # as the launcher does
+    assert (config.lora is None) == (lora is None)  # LoRA recipes (alphabet-sort, wiki-search) train it on the ranks
     assert hw.gpus == gpus and config.placement.kind == "ray" and config.device == "cuda"
     assert (config.placement.policy.workers, config.placement.sampler.workers) == (ranks, replicas)
     assert config.sampler.engine.name == "vllm"
