@@ -20,7 +20,9 @@ from verl.trainer.ppo.v1 import get_trainer_cls
 from verl.workers.rollout.replica import RolloutReplicaRegistry
 assert get_trainer_cls("floe").__module__ == "floe.integrations.verl.plugin"
 assert RolloutReplicaRegistry.get("floe").__module__ == "floe.integrations.verl.plugin"
-print(f"verl.sh: verl {verl.__version__}: trainer mode 'floe' and rollout 'floe' registered")
+from verl.experimental.one_step_off_policy import ray_trainer  # its entrypoint builds this name
+assert ray_trainer.OneStepOffRayTrainer.__module__ == "floe.integrations.verl.one_step"
+print(f"verl.sh: verl {verl.__version__}: trainer mode 'floe', rollout 'floe' and the one-step trainer registered")
 PYEOF
 
 # Two cores shared: keep torch to few threads in every process verl starts. The whole suite

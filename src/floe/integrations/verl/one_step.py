@@ -12,7 +12,7 @@ generation runs on the backend's sampler while the trainer's client trains), and
 sync is `plugin.FloeWeightSync` (`sync_weights(version=offset + global_steps)`).
 
 The entrypoint builds `verl.experimental.one_step_off_policy.ray_trainer.OneStepOffRayTrainer`
-by name; `install` (run at `import verl`, through the plugin) puts `one_step_trainer` there: it
+by name; `install` (run at `import verl`: this module is its own `verl.plugins` entry point) puts `one_step_trainer` there: it
 builds floe's trainer when `trainer.v1.trainer_mode=floe` (the same one key as verl's
 synchronous `main_ppo`; this entrypoint does not otherwise read `trainer.v1`) and verl's own
 class, untouched, otherwise.

@@ -583,7 +583,3 @@ class FloeReplica(RolloutReplica):
 
 
 RolloutReplicaRegistry.register("floe", lambda: FloeReplica)
-
-# verl's one-step off-policy entrypoint on floe (trainer.v1.trainer_mode=floe there too): installed
-# here, at `import verl`, before that entrypoint imports its trainer class.
-from floe.integrations.verl import one_step  # noqa: F401
