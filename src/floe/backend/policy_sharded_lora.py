@@ -81,7 +81,7 @@ class ShardedLoraPolicyZone(ShardedPolicyZone):
             if layer is None:
                 yield name, held, partial(full_tensor, held)
             else:
-                yield name, held, partial(_gather_merged, held, layer)
+                yield name, held, partial(_gather_merged, held, layer, self.rank == 0)
 
     def _gathered(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Collective: the whole adapter (peft names) and AdamW tensors ("<index>.<key>"), on CPU."""
@@ -136,8 +136,10 @@ class ShardedLoraPolicyZone(ShardedPolicyZone):
         self.load_whole(read_lora_state(directory, meta), self.adapter)
 
 
-def _gather_merged(weight: torch.Tensor, layer: Any) -> torch.Tensor:
-    """Collective: the adapted layer's whole weight with the adapter merged in (every rank
-    gathers W, A and B; all compute the merge, rank 0's is the one kept)."""
+def _gather_merged(weight: torch.Tensor, layer: Any, keep: bool) -> torch.Tensor:
+    """Collective: the adapted layer's whole weight with the adapter merged in. Every rank
+    gathers W, A and B; only the rank that `keep`s the result (rank 0: `full_tensor_buckets`
+    drops the others') computes the merge, the others return the gathered W."""
     a, b = (full_tensor(layer.lora_A[ADAPTER].weight), full_tensor(layer.lora_B[ADAPTER].weight))
-    return merge_weight(full_tensor(weight), layer, ADAPTER, a, b)
+    whole = full_tensor(weight)
+    return merge_weight(whole, layer, ADAPTER, a, b) if keep else whole

@@ -21,9 +21,9 @@ under a Ray actor that holds the GPU), or a given URL + token. The loss comes fr
 each step from verl's own LR scheduler (schedule.py). Everything crosses to
 floe through the public client API and floe.convert.
 
-Importing it also installs floe's trainer in verl's one-step off-policy entrypoint
-(one_step.py: `python -m verl.experimental.one_step_off_policy.main_ppo` with the same
-`trainer.v1.trainer_mode=floe`; `start_session` is the backend set-up both trainers share).
+verl's one-step off-policy entrypoint runs on floe too (one_step.py, its own `verl.plugins` entry
+point: `python -m verl.experimental.one_step_off_policy.main_ppo` with the same
+`trainer.v1.trainer_mode=floe`); `start_session` is the backend set-up both trainers share.
 
 Pinned to verl==0.9.1: `FloeTrainer._setup` replaces a private method of verl's trainer and
 reads verl's TransferQueue field names.
