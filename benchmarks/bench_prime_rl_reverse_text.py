@@ -4,7 +4,11 @@ on CPU, from a tiny warm-started model, through the one command; the orchestrato
 prime-rl's recipe (examples/basic/reverse-text/rl.toml) starts from a reverse-text SFT of
 Qwen3-0.6B; here the start is floe's own tiny Qwen3 of recipes/reverse_text.toml, warm-started
 by floe's SFT on demonstrations in prime-rl's format (the taskset's system prompt, the answer in
-<reversed_text> tags; floe.rl.warmstart.prepare_model, cached under ~/.cache/floe). The data is
+<reversed_text> tags; floe.rl.warmstart.prepare_model, cached under ~/.cache/floe) for
+--warm-start-steps steps (default 1100: with the taskset's 83-token system prompt the tiny model
+first learns only the format and the length; it starts copying the letters between steps 800 and
+1000, and 1100 steps give a sampled reward of about 0.65, room to rise; 220, floe's own recipe's
+count, gave random letters, reward about 0.15). The data is
 256 strings of 1 to 6 characters as floe's reverse_text family draws them, written as the local
 copy of the taskset's dataset (PrimeIntellect/Reverse-Text-RL, column `prompt`).
 
@@ -42,15 +46,16 @@ SYSTEM = "Reverse the text character-by-character. Put your answer in <reversed_
 REWARD = "train/reverse-text/all/agent/reward/mean"
 
 
-def warm_started_model() -> str:
-    """floe's tiny reverse_text model, warm-started on prime-rl's prompt format (cached)."""
+def warm_started_model(steps: int) -> str:
+    """floe's tiny reverse_text model, warm-started for `steps` SFT steps on prime-rl's prompt
+    format (cached)."""
     from floe.config import load_layers
     from floe.rl.config import parse_recipe
     from floe.rl.progress import RunProgress
     from floe.rl.warmstart import prepare_model
 
     data = load_layers([ROOT / "recipes/reverse_text.toml"], {
-        "env.options.system_prompt": True, "env.options.instruction": SYSTEM})
+        "env.options.system_prompt": True, "env.options.instruction": SYSTEM, "warm_start.steps": steps})
     return prepare_model(parse_recipe(data), RunProgress().warm_start)
 
 
@@ -78,6 +83,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--lr", default="3e-4")
+    parser.add_argument("--warm-start-steps", type=int, default=1100)
     parser.add_argument("--work", type=Path, default=Path("/tmp/floe-prime-rl-reverse-text"))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/prime_rl_reverse_text.json")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs/img/prime_rl_reverse_text.png")
@@ -91,10 +97,10 @@ def main() -> None:
     from tests.integrations.prime_rl.test_prime_rl_schedule import prime_rl_root
 
     print("warm start (floe SFT, cached after the first run) ...", flush=True)
-    model = warm_started_model()
+    model = warm_started_model(args.warm_start_steps)
     args.work.mkdir(parents=True, exist_ok=True)
     write_data(args.work)
-    out_dir = args.work / f"outputs-lr{args.lr}"
+    out_dir = args.work / f"outputs-lr{args.lr}-b{args.batch_size}-sft{args.warm_start_steps}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), stubs()]), "HF_HUB_OFFLINE": "1",
            "WANDB_MODE": "disabled", "CUDA_VISIBLE_DEVICES": "",
            "UV_EXCLUDE_NEWER": lock_date(prime_rl_root()), "UV_CACHE_DIR": str(Path(sys.prefix) / "uv-cache")}
@@ -106,7 +112,8 @@ def main() -> None:
            "--max-steps", str(args.steps), "--trainer.optim.lr", args.lr,
            "--orchestrator.model.client.base-url", f"http://127.0.0.1:{free_port()}/v1",
            "--orchestrator.env-server-base-port", str(free_port()),
-           "--rollout-transport.port", str(free_port()), "--output-dir", str(out_dir)]
+           "--rollout-transport.port", str(free_port()), "--output-dir", str(out_dir),
+           "--clean"]  # a rerun starts afresh (prime-rl refuses a run directory holding a run)
     print("$", " ".join(cmd), flush=True)
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=args.work, env=env, text=True, check=False)  # its step lines stream here
@@ -116,7 +123,8 @@ def main() -> None:
     metrics = [json.loads(line) for line in (out_dir / "floe-run" / "metrics.jsonl").read_text().splitlines()]
     rewards = [(m["step"], m[REWARD]) for m in metrics if REWARD in m]
     trainer = [json.loads(line) for line in (out_dir / "floe-run" / "floe_trainer.jsonl").read_text().splitlines()]
-    result = {"command": " ".join(cmd), "model": model, "lr": float(args.lr), "seconds": round(seconds, 1),
+    result = {"command": " ".join(cmd), "model": model, "warm_start_steps": args.warm_start_steps,
+              "lr": float(args.lr), "seconds": round(seconds, 1),
               "batch_size": args.batch_size, "group_size": args.group_size, "reward_by_step": rewards,
               "first5_mean": sum(r for _, r in rewards[:5]) / min(5, len(rewards)),
               "last5_mean": sum(r for _, r in rewards[-5:]) / min(5, len(rewards)),
@@ -141,7 +149,7 @@ def plot(results: list[Path], path: Path) -> None:
         r = json.loads(file.read_text())
         steps = r["reward_by_step"]
         ax.plot([s for s, _ in steps], [v for _, v in steps], marker="o", markersize=3,
-                label=f"lr {r['lr']:g}, {r['batch_size']} samples/step")
+                label=f"lr {r['lr']:g}, {r['batch_size']} samples/step, SFT {r.get('warm_start_steps', 220)}")
     ax.set_xlabel("step (prime-rl's orchestrator)")
     ax.set_ylabel("mean reward (LCS ratio)")
     ax.set_title("prime-rl reverse-text recipe on floe, tiny model, CPU")
