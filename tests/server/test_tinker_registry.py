@@ -140,3 +140,45 @@ def test_a_reused_seq_id_is_refused_with_400_not_the_409_the_sdk_retries(start_s
     other = alice.post("/optim_step", {**step, "adam_params": {"learning_rate": 0.5}})
     assert other.status_code == 400 and other.json()["error"] == "sequence_reused", other.text
     assert other.json()["field"] == "seq_id"
+
+
+def test_a_seq_id_whose_successor_overflows_the_registry_is_refused(start_server, server_model: Path) -> None:
+    """A prober's fault: `seq_id = 2**63 - 1` was accepted; the run's next expected seq_id (2**63)
+    then overflowed SQLite's INTEGER when the run was offloaded, failing the request that evicted
+    it (another tenant's create_model) and leaving the run gone but recorded live."""
+    server = start_server(server_toml=KEYS)
+    alice = Tinker(server.url, KEY_A)
+    run = alice.run(server_model, alice.session())
+    for field, body in (("seq_id", {"model_id": run, "seq_id": 2**63 - 1, "adam_params": {"learning_rate": 0.0}}),
+                        ("model_seq_id", {"session_id": alice.session(), "model_seq_id": 2**63 - 1,
+                                          "base_model": str(server_model), "lora_config": {"rank": 2, "seed": 0}})):
+        reply = alice.post("/optim_step" if field == "seq_id" else "/create_model", body)
+        assert reply.status_code in (400, 422), reply.text
+        assert field in reply.text
+    # The run's own sequence is untouched: seq_id 1 runs at once (no gap to wait out).
+    start = time.monotonic()
+    out = alice.save(run, "after-refusal", seq=1)
+    assert "error" not in out and out["path"].startswith("tinker://"), out
+    assert time.monotonic() - start < 20
+
+
+def test_error_messages_scrub_the_state_dir_however_it_is_spelled(start_server, server_model: Path, tmp_path: Path) -> None:
+    """A prober's fault: only the resolved state dir was scrubbed from tenants' error messages, so
+    a state dir reached through a symlink (or a relative one, floe's default) leaked the server's
+    paths. The load is queued behind seq 2, its checkpoint deleted, then seq 2 lets it run."""
+    real = tmp_path / "real-states"
+    real.mkdir()
+    (tmp_path / "link-states").symlink_to(real)
+    server = start_server(server_toml=KEYS + "\nsequence_timeout_s = 600\n", state_dir=tmp_path / "link-states")
+    alice = Tinker(server.url, KEY_A)
+    run = alice.run(server_model, alice.session())
+    alice.save(run, "c1", seq=1)
+    load = alice.post("/load_weights", {"model_id": run, "path": f"tinker://{run}/weights/c1", "optimizer": True, "seq_id": 3})
+    assert load.status_code == 200, load.text
+    assert alice.http.delete(f"/training_runs/{run}/checkpoints/weights/c1").status_code == 200
+    alice.save(run, "c2", seq=2)
+    out = alice.result(load)
+    assert "error" in out, out
+    for spelling in (str(tmp_path), "link-states", "real-states"):
+        assert spelling not in out["error"], out["error"]
+    assert "<server storage>" in out["error"], out["error"]

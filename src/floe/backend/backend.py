@@ -47,6 +47,7 @@ from floe.backend.state import (
 )
 from floe.backend.sync import WeightSync, verify
 from floe.backend.validation import (
+    VERSION_LIMIT,
     check_step_lr,
     check_temperature,
     resolve_temperature,
@@ -88,6 +89,8 @@ def as_batch(batch: Any) -> Batch:
 def _check_version_type(version: Any) -> None:
     if version is not None and type(version) is not int:
         raise InvalidInput("version", f"must be an int (a weights version tag) or None, got {version!r}")
+    if version is not None and version > VERSION_LIMIT:
+        raise InvalidInput("version", f"must be at most 2**63 - 1 (versions travel as signed 64-bit integers), got {version}")
 
 
 # OSError numbers that mean "this path cannot hold an export" (answered as InvalidInput("path")).
@@ -296,6 +299,9 @@ class Backend:
         current = self.sampler.version
         if version is not None and version <= current:
             raise InvalidInput("version", f"must be greater than the sampler's current version {current}, got {version}")
+        if version is None and current >= VERSION_LIMIT:
+            raise InvalidInput("version", f"the sampler's version {current} is the largest a version can be (2**63 - 1); "
+                               "no later sync can be numbered (start from a state with a smaller version)")
 
     def _push_policy_weights(self) -> int:
         """weight_sync.sync → verify; returns the bytes of one copy of the weights. Hold both locks."""

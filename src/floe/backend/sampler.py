@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from floe.backend.state import ZoneState
+from floe.backend.validation import VERSION_LIMIT
 from floe.backend.weights import Fingerprint
 from floe.errors import InvalidInput, StateError
 from floe.sampler.engine import OnStep, SamplerEngine, seeds_match_prompts
@@ -244,6 +245,9 @@ class SamplerZone:
     def check_state(self, state: ZoneState) -> None:
         if "sampler" not in state.tensors.get("rng.safetensors", {}) or type(state.meta.get("sampler_version")) is not int:
             raise StateError("load_state: the state has no sampler version or generator; it is not a floe state")
+        if not 0 <= state.meta["sampler_version"] <= VERSION_LIMIT:
+            raise StateError(f"load_state: the state's sampler version {state.meta['sampler_version']} is outside "
+                             "[0, 2**63 - 1]; it is not a state floe wrote")
 
     def load_state(self, state: ZoneState) -> None:
         """Restore version and generator; called after the verified push of the restored policy's

@@ -16,6 +16,9 @@ from floe.types import Batch, Group, Sample, SamplingParams
 MAX_TOP_LOGPROBS = 20  # alternatives per token a sample call may ask for (OpenAI's limit)
 SEED_LIMIT = 2**63  # seeds are in [0, 2**63): they seed a 64-bit torch generator
 COUNT_LIMIT = 2**31  # top_k and n are below this (32-bit counts); larger values mean nothing more
+# Weights versions are in [0, 2**63 - 1]: every wire format carries them as signed 64-bit
+# integers, so a larger one would break every later sample's reply (and the saved state).
+VERSION_LIMIT = 2**63 - 1
 # A sampling log-prob above this is refused: log-probs are <= 0, and float noise of a token with
 # probability ~1 stays far below 1e-4.
 LOGPROB_TOLERANCE = 1e-4

@@ -25,7 +25,8 @@ class ServerConfig(StrictModel):
     )
     header_timeout_s: float = Field(30, gt=0, description="a connection must send a complete request head within "
                                     "this time (of opening, or of its previous response); else it is closed")
-    max_connections: int = Field(256, ge=1, description="open connections; more are closed as they arrive")
+    max_connections: int = Field(256, ge=1, description="open connections; at the limit a new one replaces the one "
+                                 "waiting longest for a request head, or is closed when all are mid-request")
     pause_hold_s: float = Field(300, gt=0, description="how long a sampling request waits while sampling is paused "
                                 "(POST /pause), then 503")
     sequence_timeout_s: float = Field(30, gt=0, description="how long request k waits for k-1 (then 425)")

@@ -34,6 +34,10 @@ MAX_TTL_S = 10 * 365 * 86400  # the SDK's documented range: 1 hour to 10 years; 
 # is at most MAX_METADATA_BYTES as JSON, each tag or key at most MAX_TAG_CHARS.
 MAX_METADATA_BYTES = 16 * 1024
 MAX_TAG_CHARS = 256
+# Sequence numbers are in [0, 2**63 - 1): the registry stores a run's next expected one (seq + 1)
+# as SQLite's signed 64-bit INTEGER, which 2**63 overflows (one tenant's request would then fail
+# whichever request evicts that run, another tenant's included).
+SEQ_LIMIT = 2**63 - 1
 
 
 def _text() -> Any:
@@ -92,7 +96,7 @@ class OptimizerConfig(Strict):
 
 class CreateModel(Strict):
     session_id: str = _text()
-    model_seq_id: int = Field(ge=0, lt=2**63)
+    model_seq_id: int = Field(ge=0, lt=SEQ_LIMIT)
     base_model: str = _text()
     user_metadata: Metadata | None = Field(None, max_length=MAX_METADATA_ITEMS)
     lora_config: LoraConfig | None = None
@@ -113,7 +117,7 @@ class OptimStep(Strict):
     optim_params: dict[str, Any] | None = None
     optimizer_params: dict[str, Any] | None = None
     model_id: str = _text()
-    seq_id: int | None = Field(None, ge=0, lt=2**63)
+    seq_id: int | None = Field(None, ge=0, lt=SEQ_LIMIT)
     type: Literal["optim_step"] = "optim_step"
 
     def adam(self) -> AdamStep:
@@ -129,7 +133,7 @@ class OptimStep(Strict):
 class SaveWeights(Strict):
     model_id: str = _text()
     path: str | None = _maybe_text()
-    seq_id: int | None = Field(None, ge=0, lt=2**63)
+    seq_id: int | None = Field(None, ge=0, lt=SEQ_LIMIT)
     ttl_seconds: int | None = Field(None, ge=1, le=MAX_TTL_S)
     overwrite: bool = False
     user_metadata: StrMetadata | None = Field(None, max_length=MAX_METADATA_ITEMS)
@@ -139,9 +143,9 @@ class SaveWeights(Strict):
 class SaveWeightsForSampler(Strict):
     model_id: str = _text()
     path: str | None = _maybe_text()
-    sampling_session_seq_id: int | None = Field(None, ge=0, lt=2**63)
+    sampling_session_seq_id: int | None = Field(None, ge=0, lt=SEQ_LIMIT)
     kind: Literal["snapshot", "inflight"] = "snapshot"
-    seq_id: int | None = Field(None, ge=0, lt=2**63)
+    seq_id: int | None = Field(None, ge=0, lt=SEQ_LIMIT)
     ttl_seconds: int | None = Field(None, ge=1, le=MAX_TTL_S)
     user_metadata: StrMetadata | None = Field(None, max_length=MAX_METADATA_ITEMS)
     type: Literal["save_weights_for_sampler"] = "save_weights_for_sampler"
@@ -150,7 +154,7 @@ class SaveWeightsForSampler(Strict):
 class SaveWeightsExternal(Strict):
     model_id: str = _text()
     path: str = _text()
-    seq_id: int | None = Field(None, ge=0, lt=2**63)
+    seq_id: int | None = Field(None, ge=0, lt=SEQ_LIMIT)
     ttl_seconds: int | None = Field(None, ge=1, le=MAX_TTL_S)
     age_encryption_recipients: list[Annotated[str, Field(max_length=MAX_TAG_CHARS)]] | None = Field(None, max_length=16)
     type: Literal["save_weights_external"] = "save_weights_external"
@@ -158,9 +162,9 @@ class SaveWeightsExternal(Strict):
 
 class LoadWeights(Strict):
     model_id: str | None = _maybe_text()
-    seq_id: int | None = Field(None, ge=0, lt=2**63)
+    seq_id: int | None = Field(None, ge=0, lt=SEQ_LIMIT)
     session_id: str | None = _maybe_text()
-    model_seq_id: int | None = Field(None, ge=0, lt=2**63)
+    model_seq_id: int | None = Field(None, ge=0, lt=SEQ_LIMIT)
     base_model: str | None = _maybe_text()
     user_metadata: Metadata | None = Field(None, max_length=MAX_METADATA_ITEMS)
     path: str = _text()
@@ -172,7 +176,7 @@ class LoadWeights(Strict):
 
 class CreateSamplingSession(Strict):
     session_id: str = _text()
-    sampling_session_seq_id: int = Field(ge=0, lt=2**63)
+    sampling_session_seq_id: int = Field(ge=0, lt=SEQ_LIMIT)
     base_model: str | None = _maybe_text()
     model_path: str | None = _maybe_text()
     type: Literal["create_sampling_session"] = "create_sampling_session"

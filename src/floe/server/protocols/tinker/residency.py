@@ -157,9 +157,11 @@ class Residency:
         if manager.pending_calls(run_id):
             return False
         manager.save_state(run_id, self.layout.live(run_id))
+        # The registry first: should writing it fail, the run stays live in memory and the
+        # registry still says so (freeing the run first left it gone but recorded live).
+        self.store.update_run(run_id, status="offloaded", next_seq=self.next_seq(run_id))
         manager.close_run(run_id)
         del self._runs[run_id]
-        self.store.update_run(run_id, status="offloaded", next_seq=self.next_seq(run_id))
         log.info("run offloaded", extra={"run": run_id})
         return True
 

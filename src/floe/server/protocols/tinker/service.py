@@ -83,6 +83,17 @@ class Bounds:
     queued_mb_per_key: int = 1024  # their forward_backward bodies, MiB ([server] tinker_max_queued_mb_per_key)
 
 
+def _path_pattern(root: Path) -> re.Pattern[str]:
+    """Every spelling of `root` an error message may carry (as configured, which is relative by
+    default; absolute; resolved through symlinks) and the rest of the path after it: paths built
+    from the configured root are not resolved, so matching only the resolved one let them out."""
+    spellings = {str(root), str(root.absolute()), str(root.resolve())}
+    alternatives = "|".join(re.escape(s) for s in sorted(spellings, key=len, reverse=True))
+    # A spelling counts only at the start of a path (not inside a longer name) and where a path
+    # component ends, so a relative root such as "floe_state/.tinker" does not match prose.
+    return re.compile(rf"(?<![\w./-])(?:{alternatives})(?=$|[/\s'\"])[^\s'\"]*")
+
+
 class TinkerService:
     """Everything behind the /api/v1 routes (see the module docstring). `bases`: manager per
     base-model key; `names`: every accepted base-model name -> its key (the first key is the
@@ -102,7 +113,7 @@ class TinkerService:
         self.stability = StabilityRecords(bounds.stability_tokens)
         self.sequencers: dict[str, Sequencer] = {}
         self._seq_lock = threading.Lock()
-        self._storage = re.compile(re.escape(str(Path(root).resolve())) + r"[^\s'\"]*")
+        self._storage = _path_pattern(Path(root))
         runs, samplers, base_models = max_live
         self.residency = Residency(bases, self.layout, store, runs, samplers, base_models,
                                    checkpoint_dir=self._checkpoint_dir, next_seq=self._next_seq)
