@@ -46,12 +46,12 @@ def on_cpu(out: Path, assets: dict[str, Path]) -> list[str]:
         "trainer.default_local_dir": str(out / "checkpoints"),
         "rollout.total_rollout_steps": str(PROMPTS_PER_VERSION * VERSIONS),
         # Generation the long pole, as the recipe's 8k-token responses make it on its GPUs: one rollout
-        # server taking 2 prompts at a time (the rollout pool's size and its per-replica concurrency),
-        # 96-token responses, sampled a token per floe call, so a response outlasts a training step
-        # and a sync interrupts the ones still running (partial rollouts)
+        # server taking 2 prompts at a time (the rollout pool's size and its per-replica concurrency;
+        # at the recipe's 16 a replica starts a cycle's whole budget at once, which the tiny model
+        # finishes before the trainer needs it), so generation is still running at each sync, and
+        # the 16-token responses sampled 2 tokens per floe call: a sync interrupts them (partial rollouts)
         "rollout.n_gpus_per_node": "1", "async_training.concurrent_samples_per_replica": "2",
-        "data.max_response_length": "96", "actor_rollout_ref.rollout.response_length": "96",
-        "floe.rollout_chunk_tokens": "1",
+        "floe.rollout_chunk_tokens": "2",
         **CPU_PARALLELISM,
     }
     # The recipe's model override: floe refuses it (floe loads the model's own config.json, as
@@ -183,3 +183,57 @@ def test_the_recipes_model_config_override_is_refused_by_name(monkeypatch):
     with pytest.raises(floe.InvalidInput) as info:
         start_session(cfg, use_critic=False)
     assert info.value.field == "actor_rollout_ref.model.override_config.max_position_embeddings"
+
+
+def test_an_aborted_response_returns_its_tokens_and_resumes_on_the_new_weights(tmp_path, shared_ray):
+    """The partial-rollout contract of floe's rollout server, on a real `floe serve` and Ray actor:
+    an abort returns a running response's tokens so far (with their log-probs and version) and
+    parks new requests; after a training step and a sync, the resume (prompt + those tokens, as
+    verl's FullyAsyncLLMServerClient sends it) is sampled by the new weights."""
+    import time  # noqa: PLC0415
+
+    import ray  # noqa: PLC0415
+
+    import floe  # noqa: PLC0415
+    from floe.integrations.verl.local_server import LocalServer  # noqa: PLC0415 - verl's environment
+    from floe.integrations.verl.plugin import FloeRolloutServer  # noqa: PLC0415
+
+    server = LocalServer({"model": str(make_model(tmp_path / "tiny")), "device": "cpu",
+                          "state_dir": str(tmp_path / "state"), "optimizer": {"lr": 0.05}})
+    ray.init(address=shared_ray)
+    try:
+        client = floe.connect(server.url, token=server.token)
+        offset = client.info().sampler_version
+        rollout = FloeRolloutServer.options(max_concurrency=8, num_cpus=0).remote(  # type: ignore[attr-defined]
+            server.url, server.token, 120, 48, 64, None, 1)  # 48-token responses, one token per floe call
+        ray.get(rollout.set_version_offset.remote(offset))
+        prompt, budget = [5, 6, 7, 8, 9], 48
+        params = {"temperature": 1.0, "max_tokens": budget, "ignore_eos": True}
+        running = rollout.generate.remote(prompt, params, "r1")
+        while ray.get(rollout.counts.remote())["sample"] < 4:  # a few tokens in
+            time.sleep(0.02)
+        ray.get(rollout.abort_all_requests.remote())
+        first = ray.get(running, timeout=30)  # abort_all_requests returned: the request has too
+        assert first.stop_reason == "aborted" and 4 <= len(first.token_ids) < budget, first
+        assert len(first.log_probs) == len(first.token_ids) and first.extra_fields["global_steps"] == 0
+        parked = rollout.generate.remote(prompt, {**params, "max_tokens": 2}, "r2")
+        assert not ray.wait([parked], timeout=1.0)[0], "a request between abort and resume ran"
+        # one training step changes the weights; sync them (version offset + 1)
+        client.forward_backward(floe.Batch([floe.Group(prompt, [floe.Sample(first.token_ids)])]), "cross_entropy")
+        client.optim_step()
+        assert client.sync_weights(version=offset + 1).version == offset + 1
+        ray.get(rollout.resume_generation.remote())
+        assert ray.get(parked, timeout=60).extra_fields["global_steps"] == 1
+        rest = ray.get(rollout.generate.remote(prompt + first.token_ids,
+                                               {**params, "max_tokens": budget - len(first.token_ids)}, "r1"), timeout=120)
+        assert rest.stop_reason == "completed" and len(first.token_ids) + len(rest.token_ids) == budget
+        assert rest.extra_fields["global_steps"] == 1
+        # the resumed tokens' log-probs are the new weights', the aborted ones' are not
+        tokens = first.token_ids + rest.token_ids
+        now = client.forward(floe.Batch([floe.Group(prompt, [floe.Sample(tokens)])]), temperature=1.0).logprobs[0][0]
+        k = len(first.token_ids)
+        assert now[k:] == pytest.approx(rest.log_probs, abs=1e-4)
+        assert max(abs(a - b) for a, b in zip(now[:k], first.log_probs)) > 1e-3
+    finally:
+        ray.shutdown()
+        server.stop()
