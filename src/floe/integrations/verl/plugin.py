@@ -528,7 +528,7 @@ class FloeRolloutServer:
         self._idle.set()
 
     def counts(self) -> dict[str, int]:
-        """floe `sample` calls made and sequences returned so far."""
+        """floe `sample` calls made, sequences returned and requests an abort stopped, so far."""
         return dict(self._counts)
 
     def set_version_offset(self, offset: int) -> None:
@@ -565,7 +565,10 @@ class FloeRolloutServer:
         versions: list[int] = []
         while True:
             take = min(self.chunk_tokens, params.max_tokens - len(tokens))
-            chunk = await self._submit(prompt + tokens, replace(params, max_tokens=take))
+            context = prompt + tokens
+            # a seeded request: each chunk's seed moves with its position (no chunk repeats another's draws)
+            seed = None if params.seed is None else int(params.seed) + len(context)
+            chunk = await self._submit(context, replace(params, max_tokens=take, seed=seed))
             tokens += chunk.tokens
             logprobs += chunk.logprobs
             versions.append(chunk.weights_version)
