@@ -16,7 +16,8 @@ from floe.errors import FloeError
 # Modules that import an optional stack at import time; their errors (if any) are floe's own
 # classes re-used, never new ones.
 OPTIONAL = ("floe.integrations.verl.plugin", "floe.integrations.verl.bypass", "floe.integrations.verl.schedule",
-            "floe.integrations.verl.throughput", "floe.integrations.verl.one_step", "floe.integrations.skyrl.dispatch", "floe.integrations.skyrl.entrypoint",
+            "floe.integrations.verl.throughput", "floe.integrations.verl.one_step", "floe.integrations.verl.fully_async",
+            "floe.integrations.skyrl.dispatch", "floe.integrations.skyrl.entrypoint",
             "floe.integrations.skyrl.fully_async",
             "floe.integrations.skyrl.inference", "floe.sampler.vllm_engine", "floe.integrations.prime_rl",
             "floe.placement.ray")

@@ -22,7 +22,10 @@ assert get_trainer_cls("floe").__module__ == "floe.integrations.verl.plugin"
 assert RolloutReplicaRegistry.get("floe").__module__ == "floe.integrations.verl.plugin"
 from verl.experimental.one_step_off_policy import ray_trainer  # its entrypoint builds this name
 assert ray_trainer.OneStepOffRayTrainer.__module__ == "floe.integrations.verl.one_step"
-print(f"verl.sh: verl {verl.__version__}: trainer mode 'floe', rollout 'floe' and the one-step trainer registered")
+from verl.experimental.fully_async_policy import fully_async_rollouter, fully_async_trainer  # its entrypoint's names
+assert type(fully_async_trainer.FullyAsyncTrainer).__module__ == "floe.integrations.verl.fully_async"
+assert type(fully_async_rollouter.FullyAsyncRollouter).__module__ == "floe.integrations.verl.fully_async"
+print(f"verl.sh: verl {verl.__version__}: trainer mode 'floe', rollout 'floe', the one-step and fully-async trainers registered")
 PYEOF
 
 # Two cores shared: keep torch to few threads in every process verl starts. The whole suite

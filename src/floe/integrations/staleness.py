@@ -5,7 +5,8 @@ Every floe sample records the ``weights_version`` of the sampler weights that pr
 the staleness of a sample is ``policy_version − weights_version``, the policy version being the
 version of the weights the step trains from (the plugin's last ``sync_weights``). The plugins
 (SkyRL's fully-async trainer: skyrl/fully_async.py; verl's one-step off-policy trainer:
-verl/one_step.py) compute it here and report it under their framework's key names, with one
+verl/one_step.py; verl's fully-async trainer: verl/fully_async.py, where a response a sync
+interrupted counts from its oldest version) compute it here and report it under their framework's key names, with one
 line per sample in a jsonl file.
 """
 

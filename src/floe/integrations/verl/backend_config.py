@@ -5,6 +5,8 @@
       token: null              # that server's bearer token (default: $FLOE_TOKEN)
       timeout_s: 600           # HTTP timeout of one call, seconds
       backend: {}              # BackendConfig keys for the plugin's own backend (e.g. num_threads)
+      rollout_chunk_tokens: 32 # verl's fully-async partial rollouts: tokens per floe `sample` call
+                               # of a response; a sync interrupts a response between two chunks
 
 With no `url` (the default) the plugin runs `floe serve` on loopback for the length of the
 run, on `actor_rollout_ref.model.path`, with the actor's optimizer mapped onto floe's
@@ -37,7 +39,8 @@ from floe.errors import InvalidInput
 from floe.integrations.hardware import with_overrides
 from floe.integrations.verl.hardware import VerlHardware, verl_hardware
 
-_BLOCK_KEYS = {"url", "token", "timeout_s", "backend"}
+_BLOCK_KEYS = {"url", "token", "timeout_s", "backend", "rollout_chunk_tokens"}
+DEFAULT_CHUNK_TOKENS = 32
 OPTIM = "actor_rollout_ref.actor.optim"
 
 
@@ -52,6 +55,9 @@ class FloeTarget:
     timeout_s: float
     backend: dict[str, Any] | None
     hardware: VerlHardware
+    # verl's fully-async partial rollouts (fully_async.py): a response is generated this many
+    # tokens per floe `sample` call, so verl's abort at a sync returns the tokens so far
+    rollout_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
 
 
 def _optimizer(optim: Mapping[str, Any]) -> dict[str, Any]:
@@ -110,6 +116,9 @@ def floe_target(config: Mapping[str, Any]) -> FloeTarget:
     timeout = block.get("timeout_s", 600)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
         raise InvalidInput("floe.timeout_s", f"must be a number of seconds > 0, got {timeout!r}")
+    chunk = block.get("rollout_chunk_tokens", DEFAULT_CHUNK_TOKENS)
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise InvalidInput("floe.rollout_chunk_tokens", f"must be a whole number of tokens >= 1, got {chunk!r}")
     url = block.get("url")
     token = block.get("token")
     overrides = block.get("backend") or {}
@@ -122,7 +131,7 @@ def floe_target(config: Mapping[str, Any]) -> FloeTarget:
         if overrides:
             raise InvalidInput("floe.backend", "configures the plugin's own backend; a floe.url server has its own "
                                "configuration: drop one of them")
-        return FloeTarget(url.rstrip("/"), token, float(timeout), None, hardware)
+        return FloeTarget(url.rstrip("/"), token, float(timeout), None, hardware, chunk)
     if token is not None:
         raise InvalidInput("floe.token", "is for a floe.url server; the plugin's own backend gets a fresh token")
     aro = config.get("actor_rollout_ref") or {}
@@ -131,4 +140,4 @@ def floe_target(config: Mapping[str, Any]) -> FloeTarget:
         raise InvalidInput("actor_rollout_ref.model.path", "must name the model the floe backend trains")
     backend: dict[str, Any] = {"model": model, "optimizer": _optimizer((aro.get("actor") or {}).get("optim") or {}),
                                **hardware.backend}
-    return FloeTarget(None, None, float(timeout), with_overrides(backend, overrides, "floe.backend"), hardware)
+    return FloeTarget(None, None, float(timeout), with_overrides(backend, overrides, "floe.backend"), hardware, chunk)

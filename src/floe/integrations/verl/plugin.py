@@ -23,7 +23,9 @@ floe through the public client API and floe.convert.
 
 verl's one-step off-policy entrypoint runs on floe too (one_step.py, its own `verl.plugins` entry
 point: `python -m verl.experimental.one_step_off_policy.main_ppo` with the same
-`trainer.v1.trainer_mode=floe`); `start_session` is the backend set-up both trainers share.
+`trainer.v1.trainer_mode=floe`), and so does its fully-async trainer (fully_async.py, entry point
+`floe_fully_async`: `python -m verl.experimental.fully_async_policy.fully_async_main`, same key);
+`start_session` is the backend set-up the trainers share.
 
 Pinned to verl==0.9.1: `FloeTrainer._setup` replaces a private method of verl's trainer and
 reads verl's TransferQueue field names.
@@ -37,7 +39,7 @@ import logging
 import os
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +63,7 @@ from floe.integrations.verl.backend_config import floe_target
 from floe.integrations.verl.local_server import LocalServer
 from floe.integrations.verl.loss_mapping import VerlLoss, verl_loss, weighted_advantages
 from floe.integrations.verl.rollout_mapping import floe_sampling_params
-from floe.integrations.verl.schedule import VerlSchedule
+from floe.integrations.verl.schedule import ScheduleNotSet, VerlSchedule
 from floe.integrations.verl.throughput import ActorThroughput
 from floe.placement.gpus import check_cluster_gpus, needs_gpu_process
 
@@ -364,13 +366,15 @@ class FloeSession:
 
 
 def start_session(config: Any, use_critic: bool, worker_group_cls: type[FloeWorkerGroup] = FloeWorkerGroup,
-                  check: Callable[[dict[str, Any]], None] | None = None) -> FloeSession:
+                  check: Callable[[dict[str, Any]], None] | None = None, schedule: bool = True) -> FloeSession:
     """Check the recipe's keys floe cannot honour (InvalidInput naming the key; `check`: the
     trainer's own checks on the resolved config, run after the shared ones), start or reach
     the backend (backend_config.floe_target: the `floe` block and the recipe's hardware keys),
     and build `worker_group_cls` on it with verl's loss, LR schedule and throughput counters.
     Sets `actor_rollout_ref.rollout.name=floe` in `config`: the recipe's engine (vllm, floe) is
-    now floe's sampler engine (hardware.py), and verl's replica for it is floe's."""
+    now floe's sampler engine (hardware.py), and verl's replica for it is floe's. `schedule=False`:
+    the worker group's LR schedule is set later (`ScheduleNotSet` until then), for a trainer that
+    learns its total training steps after building its workers (fully_async.py)."""
     cfg = OmegaConf.to_container(config, resolve=True)
     assert isinstance(cfg, dict)
     loss = verl_loss(cfg["actor_rollout_ref"]["actor"], cfg.get("algorithm"))
@@ -384,6 +388,11 @@ def start_session(config: Any, use_critic: bool, worker_group_cls: type[FloeWork
     if use_critic:
         raise InvalidInput("algorithm.adv_estimator", "floe's verl plugin trains no critic; use a critic-free "
                            f"estimator such as grpo (got {cfg['algorithm'].get('adv_estimator')!r})")
+    override = cfg["actor_rollout_ref"]["model"].get("override_config") or {}
+    if override:
+        raise InvalidInput(f"actor_rollout_ref.model.override_config.{min(override)}", (
+            "floe's backend loads the model with its own config.json, which verl's override would change only in "
+            "verl's FSDP workers: edit the model's config.json instead (drop the override)"))
     if cfg["reward"]["reward_model"].get("enable"):
         raise InvalidInput("reward.reward_model.enable", "model-based rewards need a GPU pool; floe's verl plugin "
                            "runs rule / custom reward functions")
@@ -408,7 +417,8 @@ def start_session(config: Any, use_critic: bool, worker_group_cls: type[FloeWork
     log.warning("floe backend at %s (%s)", url, "started by the plugin" if server else "given")
     if target.backend is not None:
         log.warning("%s", describe(target.backend))
-    schedule = VerlSchedule(cfg["actor_rollout_ref"]["actor"]["optim"])
+    lr_schedule: VerlSchedule | ScheduleNotSet = (VerlSchedule(cfg["actor_rollout_ref"]["actor"]["optim"]) if schedule
+                                                  else ScheduleNotSet())
     model = cfg["actor_rollout_ref"]["model"]
     capabilities = client.info().capabilities
     if target.url is not None:
@@ -416,7 +426,7 @@ def start_session(config: Any, use_critic: bool, worker_group_cls: type[FloeWork
                           "actor_rollout_ref.model.lora_rank")
     throughput = ActorThroughput(AutoConfig.from_pretrained(model["path"], trust_remote_code=bool(
         model.get("trust_remote_code", False))), capabilities)
-    group = worker_group_cls(client, loss, schedule, url, token, target.timeout_s, throughput)
+    group = worker_group_cls(client, loss, lr_schedule, url, token, target.timeout_s, throughput)  # type: ignore[arg-type]
     # verl makes world_size // (rollout tp * dp * pp) replicas: one, on the floe backend.
     rollout = cfg["actor_rollout_ref"]["rollout"]
     group.world_size = (rollout["tensor_model_parallel_size"] * rollout["data_parallel_size"]
@@ -469,6 +479,18 @@ class FloeTrainer(PPOTrainerSync):
         self._pending_sync_metrics = {**(getattr(self, "_pending_sync_metrics", None) or {}), **counts}
 
 
+@dataclass(frozen=True)
+class FloeConnection:
+    """How a rollout server reaches the run's floe backend; `chunk_tokens`: generate each response
+    that many tokens per `sample` call so a sync can interrupt it (verl's partial rollouts,
+    fully_async.py), or None: one call per response, which a sync lets finish on its weights."""
+
+    url: str
+    token: str | None
+    timeout_s: float
+    chunk_tokens: int | None = None
+
+
 @ray.remote
 class FloeRolloutServer:
     """verl's token-in/token-out rollout server on floe's `sample`.
@@ -476,19 +498,37 @@ class FloeRolloutServer:
     Concurrent `generate` calls are collected for a moment and sent as one `sample` per
     (sampling params, n): identical prompts become one prompt with n samples, so the sampler
     prefills each prompt once.
+
+    With `chunk_tokens` (verl's fully-async partial rollouts) a response is generated in chunks
+    of that many tokens, each a `sample` of prompt + the tokens so far; `abort_all_requests`
+    closes the server to new requests (they wait for `resume_generation`, as verl's servers park
+    them) and makes every running request return after its current chunk with the tokens and
+    log-probs so far and `stop_reason="aborted"`, which verl's `FullyAsyncLLMServerClient`
+    resumes from prompt + partial tokens once generation resumes. It returns when no request is
+    running, so the sync that follows never waits on a chunk. Without `chunk_tokens`, abort and
+    resume do nothing: floe's sync lets a running `sample` finish on the weights it started with.
+    `extra_fields["global_steps"]` of a reply is the oldest weights version (− offset) of its chunks.
     """
 
     def __init__(self, url: str, token: str | None, timeout_s: float, response_length: int, prompt_length: int,
-                 max_model_len: int | None):
+                 max_model_len: int | None, chunk_tokens: int | None = None):
         self.client = _connect(url, token, timeout_s)
         self.lengths = (response_length, prompt_length, max_model_len)
         self.offset = 0
+        self.chunk_tokens = chunk_tokens
         self._pending: list[tuple[list[int], floe.SamplingParams, asyncio.Future]] = []
         self._runner: asyncio.Task | None = None
-        self._counts = {"sample": 0, "sampled_sequences": 0}
+        self._counts = {"sample": 0, "sampled_sequences": 0, "aborted_requests": 0}
+        self._open = asyncio.Event()  # set: requests may start; cleared from abort to resume
+        self._open.set()
+        self._aborting = False
+        self._rejecting = False
+        self._running = 0
+        self._idle = asyncio.Event()  # set while no request is running
+        self._idle.set()
 
     def counts(self) -> dict[str, int]:
-        """floe `sample` calls made and sequences returned so far."""
+        """floe `sample` calls made, sequences returned and requests an abort stopped, so far."""
         return dict(self._counts)
 
     def set_version_offset(self, offset: int) -> None:
@@ -501,13 +541,54 @@ class FloeRolloutServer:
         prompt = [int(t) for t in prompt_ids]
         response_length, prompt_length, max_model_len = self.lengths
         params = floe_sampling_params(sampling_params, len(prompt), response_length, prompt_length, max_model_len)
+        if self.chunk_tokens is None:
+            sample = await self._submit(prompt, params)
+            return TokenOutput(token_ids=sample.tokens, log_probs=sample.logprobs, stop_reason="completed",
+                               extra_fields={"global_steps": sample.weights_version - self.offset})
+        while not self._open.is_set():  # between abort_all_requests and resume_generation
+            if self._rejecting:
+                raise RuntimeError("floe rollout server: generation is stopped (aborted with reject_request)")
+            await self._open.wait()
+        self._running += 1
+        self._idle.clear()
+        try:
+            return await self._generate_chunks(prompt, params)
+        finally:
+            self._running -= 1
+            if self._running == 0:
+                self._idle.set()
+
+    async def _generate_chunks(self, prompt: list[int], params: floe.SamplingParams) -> TokenOutput:
+        assert self.chunk_tokens is not None
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        while True:
+            take = min(self.chunk_tokens, params.max_tokens - len(tokens))
+            context = prompt + tokens
+            # a seeded request: each chunk's seed moves with its position (no chunk repeats another's draws)
+            seed = None if params.seed is None else int(params.seed) + len(context)
+            chunk = await self._submit(context, replace(params, max_tokens=take, seed=seed))
+            tokens += chunk.tokens
+            logprobs += chunk.logprobs
+            versions.append(chunk.weights_version)
+            if chunk.stop_reason != "length" or len(tokens) >= params.max_tokens:
+                stop = "completed"
+                break
+            if self._aborting:
+                stop = "aborted"
+                self._counts["aborted_requests"] += 1
+                break
+        return TokenOutput(token_ids=tokens, log_probs=logprobs, stop_reason=stop,
+                           extra_fields={"global_steps": min(versions) - self.offset})
+
+    async def _submit(self, prompt: list[int], params: floe.SamplingParams) -> floe.SampledSequence:
+        """One sample of `prompt`, batched with the other requests of this moment (_drain)."""
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         self._pending.append((prompt, params, future))
         if self._runner is None or self._runner.done():
             self._runner = asyncio.create_task(self._drain())
-        sample = await future
-        return TokenOutput(token_ids=sample.tokens, log_probs=sample.logprobs, stop_reason="completed",
-                           extra_fields={"global_steps": sample.weights_version - self.offset})
+        return await future
 
     async def _drain(self) -> None:
         while self._pending:
@@ -541,8 +622,24 @@ class FloeRolloutServer:
 
     async def wake_up(self) -> None: ...
     async def sleep(self) -> None: ...
-    async def abort_all_requests(self, reject_request: bool = False) -> None: ...
-    async def resume_generation(self) -> None: ...
+    async def abort_all_requests(self, reject_request: bool = False) -> None:
+        """With chunks: close to new requests (parked, or refused with `reject_request`), stop every
+        running one after its current chunk, return once none runs. Without: nothing (class doc)."""
+        if self.chunk_tokens is None:
+            return
+        self._open.clear()
+        self._rejecting = reject_request
+        self._aborting = True
+        try:
+            await self._idle.wait()
+        finally:
+            self._aborting = False
+
+    async def resume_generation(self) -> None:
+        """Open again after abort_all_requests: parked and new requests start."""
+        self._rejecting = False
+        self._open.set()
+
     async def clear_kv_cache(self) -> None: ...
     async def release_kv_cache(self) -> None: ...
     async def resume_kv_cache(self) -> None: ...
@@ -561,8 +658,18 @@ class FloeReplica(RolloutReplica):
         self._floe_connection = (worker_group.url, worker_group.token, worker_group.timeout_s)
         await self.launch_servers()
 
+    floe_standalone: FloeConnection | None = None  # set by fully_async.FloeServerManager before init
+
     async def init_standalone(self) -> None:
-        raise InvalidInput("actor_rollout_ref.rollout.name", "floe's rollout runs with trainer.v1.trainer_mode=floe only")
+        """A replica of verl's separate rollout pool (fully-async trainer): a server on the floe
+        backend whose connection the fully-async rollouter gave it (`floe_standalone`)."""
+        if self.floe_standalone is None:
+            raise InvalidInput("actor_rollout_ref.rollout.name", "floe's rollout runs with trainer.v1.trainer_mode=floe only")
+        self.rollout_mode = RolloutMode.STANDALONE
+        conn = self.floe_standalone
+        self._floe_connection = (conn.url, conn.token, conn.timeout_s)
+        self._floe_chunk_tokens = conn.chunk_tokens
+        await self.launch_servers()
 
     async def init_colocated(self, resource_pool: Any) -> None:
         raise InvalidInput("actor_rollout_ref.rollout.name", "floe's rollout runs with trainer.v1.trainer_mode=floe only")
@@ -573,7 +680,8 @@ class FloeReplica(RolloutReplica):
         server = FloeRolloutServer.options(
             name=f"floe_rollout_{self.replica_rank}{self.name_suffix}", max_concurrency=self.max_concurrency, num_cpus=0,
         ).remote(url, token, timeout_s, int(cfg.response_length), int(cfg.prompt_length),
-                 int(cfg.max_model_len) if getattr(cfg, "max_model_len", None) else None)
+                 int(cfg.max_model_len) if getattr(cfg, "max_model_len", None) else None,
+                 getattr(self, "_floe_chunk_tokens", None))
         self.servers = [server]
         self._server_handle = server
         self._server_address = f"{url}#rollout-{self.replica_rank}"

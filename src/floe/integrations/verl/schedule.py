@@ -70,3 +70,12 @@ class VerlSchedule:
     def at(self, steps: int) -> VerlSchedule:
         """The same schedule after `steps` training steps."""
         return VerlSchedule(self.optim, steps)
+
+
+class ScheduleNotSet:
+    """A worker group's schedule before its trainer knows the run's total training steps (verl's
+    fully-async trainer sets them after building its workers): any use is a RuntimeError."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError("verl's LR schedule is not set yet: the trainer has not set "
+                           "actor_rollout_ref.actor.optim.total_training_steps (set_total_train_steps)")

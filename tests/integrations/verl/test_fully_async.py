@@ -1,0 +1,239 @@
+"""verl's fully-async trainer on floe: verl's own entrypoint
+(`python -m verl.experimental.fully_async_policy.fully_async_main`, its fully_async_ppo_trainer.yaml)
+with the keys of its stock DAPO example (stock_recipes.FULLY_ASYNC) through the one-key switch, on
+the tiny model on this CPU machine: three weights versions of 32 prompts (require_batches 4 ×
+mini-batch 2 × trigger_parameter_sync_step 4), 12 training steps. The rollouter generates while
+the trainer trains; partial rollouts are on (the recipe's), so a sync interrupts running responses,
+which resume on the new weights. Each sample's floe weights versions give its staleness, logged by
+verl per sync cycle (`floe/staleness/*`) and per sample (floe_samples.jsonl). Runs in verl's
+environment (scripts/ci/verl.sh)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from tests.integrations.stock import key_name
+from tests.integrations.verl.assets import make_data, make_model
+from tests.integrations.verl.run import VLLM_RECIPE_SWITCH, grpo_recipe, run_main_ppo
+from tests.integrations.verl.stock_recipes import FULLY_ASYNC, FULLY_ASYNC_NOT_IN_VERL_091, cpu_sized
+from tests.integrations.verl.test_one_step import verl_root
+
+pytestmark = [pytest.mark.verl, pytest.mark.timeout(1200)]
+
+ENTRYPOINT = "verl.experimental.fully_async_policy.fully_async_main"
+PROMPTS_PER_VERSION = 2 * 4 * 4  # ppo_mini_batch_size (cpu_sized) × require_batches × trigger_parameter_sync_step
+VERSIONS = 3
+STEP_LINE = re.compile(r"\bstep:(\d+) - ")  # verl's console logger; the fully-async trainer logs per sync cycle
+OVERRIDE = "+actor_rollout_ref.model.override_config.max_position_embeddings=32768"
+# The recipe's FSDP group size (2 of its 4 training GPUs), a parallelism key like the ones cpu_sized
+# replaces: floe shards the policy over every device of the run (refused otherwise, hardware.py).
+CPU_PARALLELISM = {"actor_rollout_ref.actor.fsdp_config.fsdp_size": "-1"}
+
+
+def on_cpu(out: Path, assets: dict[str, Path]) -> list[str]:
+    """The stock recipe, `cpu_sized`, with the fully-async trainer's own sizes for this machine."""
+    args = cpu_sized(FULLY_ASYNC, grpo_recipe(assets["model"], assets["train"], assets["test"], out))
+    sizes = {
+        # the recipe's own 0 (verl's rollouter asserts it: one prompt at a time), where the base's 4 won
+        "data.train_batch_size": "0",
+        # a path, and the run's size in prompts (len(data) bounds it too)
+        "trainer.default_local_dir": str(out / "checkpoints"),
+        "rollout.total_rollout_steps": str(PROMPTS_PER_VERSION * VERSIONS),
+        # Generation the long pole, as the recipe's 8k-token responses make it on its GPUs: one rollout
+        # server taking 2 prompts at a time (the rollout pool's size and its per-replica concurrency;
+        # at the recipe's 16 a replica starts a cycle's whole budget at once, which the tiny model
+        # finishes before the trainer needs it), so generation is still running at each sync, and
+        # the 16-token responses sampled 2 tokens per floe call: a sync interrupts them (partial rollouts)
+        "rollout.n_gpus_per_node": "1", "async_training.concurrent_samples_per_replica": "2",
+        "floe.rollout_chunk_tokens": "2",
+        **CPU_PARALLELISM,
+    }
+    # The recipe's model override: floe refuses it (floe loads the model's own config.json, as
+    # the script's comment asks the user to edit; test_fully_async_keys... checks the refusal).
+    args = [k for k in args if key_name(k) not in sizes and k != OVERRIDE]
+    return args + [f"{'+' if name.startswith('floe.') else ''}{name}={value}" for name, value in sizes.items()]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory, shared_ray: str) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("verl-fully-async")
+    train, test = make_data(root / "data", train_rows=PROMPTS_PER_VERSION * VERSIONS)
+    return {"root": root, "model": make_model(root / "tiny"), "train": train, "test": test}
+
+
+def read_samples(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_verls_fully_async_trainer_runs_on_floe_with_partial_rollouts_and_staleness_per_sample(assets):
+    out = assets["root"] / "run"
+    run = run_main_ppo(on_cpu(out, assets), assets["root"] / "fully_async.log", timeout_s=1000,
+                       switch=VLLM_RECIPE_SWITCH, entrypoint=ENTRYPOINT, cwd=verl_root())
+    print(f"verl {FULLY_ASYNC.source} on floe: exit {run.returncode}, {run.seconds:.0f} s")
+    assert run.returncode == 0, run.log[-6000:]
+    assert "floe backend at http://127.0.0.1" in run.log, run.log[-3000:]
+    # verl logs per sync cycle, at the new param version: 1, 2, 3 in order (0: the first sync's timing)
+    logged = [int(m.group(1)) for m in map(STEP_LINE.search, run.log.splitlines()) if m]
+    cycles = [s for i, s in enumerate(logged) if s > 0 and (i == 0 or s != logged[i - 1])]
+    assert cycles == list(range(1, VERSIONS + 1)), logged
+    samples = read_samples(out / "checkpoints" / "floe_samples.jsonl")
+    by_step: dict[int, list[dict]] = defaultdict(list)
+    for r in samples:
+        by_step[r["step"]].append(r)
+    steps = VERSIONS * 4
+    assert sorted(by_step) == list(range(1, steps + 1))  # trainer steps 1..12, in order
+    assert all(len(rows) == 2 * 4 * 2 for rows in by_step.values())  # mini-batch 2 × require_batches 4 × n 2
+    assert [r["step"] for r in samples] == sorted(r["step"] for r in samples)
+    for r in samples:
+        assert r["staleness"] == r["policy_version"] - r["weights_version"] >= 0, r
+        assert r["weights_version"] <= r["newest_weights_version"] <= r["policy_version"], r
+        assert r["staleness"] <= math.ceil(0.1), r  # the recipe's staleness_threshold, in versions
+        assert r["policy_version"] == samples[0]["policy_version"] + r["param_version"], r  # one sync per cycle
+    # the policy version rises by one per sync cycle (4 steps)
+    assert [by_step[s][0]["policy_version"] for s in range(1, steps + 1)] == [
+        samples[0]["policy_version"] + (s - 1) // 4 for s in range(1, steps + 1)]
+    # partial rollouts: at least one response spans two weights versions (interrupted, resumed)
+    spanning = [r for r in samples if r["newest_weights_version"] > r["weights_version"]]
+    assert spanning, "no response spanned a sync"
+    # such a response counts from the oldest version of its tokens: started before the policy's sync
+    assert all(r["staleness"] == r["policy_version"] - r["weights_version"] >= 1 for r in spanning), spanning
+    print(f"staleness: {sum(r['staleness'] for r in samples) / len(samples):.3f} mean, "
+          f"{max(r['staleness'] for r in samples)} max over {len(samples)} samples; "
+          f"{len(spanning)} responses span two versions")
+    for cycle in range(1, VERSIONS + 1):
+        m = run.steps[cycle]
+        assert math.isfinite(m["actor/grad_norm"]) and m["actor/grad_norm"] > 0, (cycle, m)
+        assert "critic/score/mean" in m and "critic/rewards/mean" in m, (cycle, m)  # verl's reward metrics
+        rows = [r for r in samples if r["param_version"] == cycle - 1]
+        stalenesses = [r["staleness"] for r in rows]
+        # verl's aggregated floe keys are the cycle's per-sample values' statistics
+        assert m["floe/staleness/max"] == max(stalenesses) and m["floe/staleness/min"] == min(stalenesses), (cycle, m)
+        assert m["floe/staleness/mean"] == pytest.approx(sum(stalenesses) / len(stalenesses)), (cycle, m)
+        assert m["floe/staleness/violation_count"] == 0
+        spans = sum(r["newest_weights_version"] > r["weights_version"] for r in rows)
+        assert m["floe/partial/spanning_samples"] == spans, (cycle, m)
+        assert m["fully_async/partial/total_partial_num"] == spans, (cycle, m)  # verl's own count of them
+        assert m["floe/policy_version"] == rows[0]["policy_version"]
+        assert m["fully_async/count/current_param_version"] == cycle - 1  # verl's own count, at the cycle's steps
+
+
+def composed_fully_async(overrides: list[str], monkeypatch: pytest.MonkeyPatch) -> dict:
+    """verl's fully-async config (Hydra, fully_async_ppo_trainer.yaml over ppo_trainer.yaml) with `overrides`."""
+    from hydra import compose, initialize_config_dir  # noqa: PLC0415 - verl's environment
+    from omegaconf import OmegaConf  # noqa: PLC0415
+
+    monkeypatch.chdir(verl_root())
+    config_dir = verl_root() / "verl" / "experimental" / "fully_async_policy" / "config"
+    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+        cfg = compose("fully_async_ppo_trainer", overrides=overrides)
+    out = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(out, dict)
+    return out
+
+
+# The stock keys but its paths (the script's shell expands them) and its model override, on the CPU.
+STOCK = [k for k in FULLY_ASYNC.keys if "~" not in k and k != OVERRIDE]
+ON_CPU = ["+floe.backend.device=cpu", *(f"{k}={v}" for k, v in CPU_PARALLELISM.items())]
+
+
+def test_the_stock_scripts_keys_verl_091_lacks_are_refused_by_verl_itself(monkeypatch):
+    from hydra.errors import ConfigCompositionException  # noqa: PLC0415
+
+    composed_fully_async(STOCK, monkeypatch)
+    for key in FULLY_ASYNC_NOT_IN_VERL_091:
+        with pytest.raises(ConfigCompositionException, match="Could not override"):
+            composed_fully_async([*STOCK, key], monkeypatch)
+
+
+@pytest.mark.parametrize(("override", "field"), [
+    ("async_training.use_trainer_do_validate=True", "async_training.use_trainer_do_validate"),
+    ("async_training.use_dynamic_resource_scheduling=True", "async_training.use_dynamic_resource_scheduling"),
+    ("algorithm.rollout_correction.bypass_mode=False", "algorithm.rollout_correction.bypass_mode"),
+    ("distillation.enabled=True", "distillation.enabled"),
+    ("++actor_rollout_ref.rollout.checkpoint_manager_class=my.Manager", "actor_rollout_ref.rollout.checkpoint_manager_class"),
+    (None, "rollout.n_gpus_per_node"),  # the stock recipe as on its GPU box (no device key): a separate rollout pool
+])
+def test_fully_async_keys_floe_cannot_honour_are_refused_by_name(monkeypatch, override, field):
+    import floe  # noqa: PLC0415
+    from floe.integrations.verl.fully_async import check_fully_async  # noqa: PLC0415 - verl's environment
+
+    check_fully_async(composed_fully_async([*STOCK, *ON_CPU], monkeypatch))  # the stock recipe on the CPU passes
+    # None: the stock recipe on its GPU box (its fsdp_size aside, refused first and by its own name)
+    cfg = composed_fully_async([*STOCK, *ON_CPU, override] if override else [*STOCK, *ON_CPU[1:]], monkeypatch)
+    with pytest.raises(floe.InvalidInput) as info:
+        check_fully_async(cfg)
+    assert info.value.field == field
+
+
+def test_the_recipes_model_config_override_is_refused_by_name(monkeypatch):
+    """verl's `model.override_config` changes the config only its FSDP workers load; floe's backend
+    loads config.json. Refused (start_session's first checks, before any backend starts)."""
+    from omegaconf import OmegaConf  # noqa: PLC0415
+
+    import floe  # noqa: PLC0415
+    from floe.integrations.verl.plugin import start_session  # noqa: PLC0415
+
+    cfg = OmegaConf.create(composed_fully_async([*STOCK, *ON_CPU, OVERRIDE], monkeypatch))
+    with pytest.raises(floe.InvalidInput) as info:
+        start_session(cfg, use_critic=False)
+    assert info.value.field == "actor_rollout_ref.model.override_config.max_position_embeddings"
+
+
+def test_an_aborted_response_returns_its_tokens_and_resumes_on_the_new_weights(tmp_path, shared_ray):
+    """The partial-rollout contract of floe's rollout server, on a real `floe serve` and Ray actor:
+    an abort returns a running response's tokens so far (with their log-probs and version) and
+    parks new requests; after a training step and a sync, the resume (prompt + those tokens, as
+    verl's FullyAsyncLLMServerClient sends it) is sampled by the new weights."""
+    import time  # noqa: PLC0415
+
+    import ray  # noqa: PLC0415
+
+    import floe  # noqa: PLC0415
+    from floe.integrations.verl.local_server import LocalServer  # noqa: PLC0415 - verl's environment
+    from floe.integrations.verl.plugin import FloeRolloutServer  # noqa: PLC0415
+
+    server = LocalServer({"model": str(make_model(tmp_path / "tiny")), "device": "cpu",
+                          "state_dir": str(tmp_path / "state"), "optimizer": {"lr": 0.05}})
+    ray.init(address=shared_ray)
+    try:
+        client = floe.connect(server.url, token=server.token)
+        offset = client.info().sampler_version
+        rollout = FloeRolloutServer.options(max_concurrency=8, num_cpus=0).remote(  # type: ignore[attr-defined]
+            server.url, server.token, 120, 48, 64, None, 1)  # 48-token responses, one token per floe call
+        ray.get(rollout.set_version_offset.remote(offset))
+        prompt, budget = [5, 6, 7, 8, 9], 48
+        params = {"temperature": 1.0, "max_tokens": budget, "ignore_eos": True}
+        running = rollout.generate.remote(prompt, params, "r1")
+        while ray.get(rollout.counts.remote())["sample"] < 4:  # a few tokens in
+            time.sleep(0.02)
+        ray.get(rollout.abort_all_requests.remote())
+        first = ray.get(running, timeout=30)  # abort_all_requests returned: the request has too
+        assert first.stop_reason == "aborted" and 4 <= len(first.token_ids) < budget, first
+        assert len(first.log_probs) == len(first.token_ids) and first.extra_fields["global_steps"] == 0
+        parked = rollout.generate.remote(prompt, {**params, "max_tokens": 2}, "r2")
+        assert not ray.wait([parked], timeout=1.0)[0], "a request between abort and resume ran"
+        # one training step changes the weights; sync them (version offset + 1)
+        client.forward_backward(floe.Batch([floe.Group(prompt, [floe.Sample(first.token_ids)])]), "cross_entropy")
+        client.optim_step()
+        assert client.sync_weights(version=offset + 1).version == offset + 1
+        ray.get(rollout.resume_generation.remote())
+        assert ray.get(parked, timeout=60).extra_fields["global_steps"] == 1
+        rest = ray.get(rollout.generate.remote(prompt + first.token_ids,
+                                               {**params, "max_tokens": budget - len(first.token_ids)}, "r1"), timeout=120)
+        assert rest.stop_reason == "completed" and len(first.token_ids) + len(rest.token_ids) == budget
+        assert rest.extra_fields["global_steps"] == 1
+        # the resumed tokens' log-probs are the new weights', the aborted ones' are not
+        tokens = first.token_ids + rest.token_ids
+        now = client.forward(floe.Batch([floe.Group(prompt, [floe.Sample(tokens)])]), temperature=1.0).logprobs[0][0]
+        k = len(first.token_ids)
+        assert now[k:] == pytest.approx(rest.log_probs, abs=1e-4)
+        assert max(abs(a - b) for a, b in zip(now[:k], first.log_probs)) > 1e-3
+    finally:
+        ray.shutdown()
+        server.stop()
