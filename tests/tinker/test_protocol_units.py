@@ -546,6 +546,10 @@ def _call(**fields) -> convert.SampleCall:
         ({"sp_seed": -1}, "sampling_params.seed"),
         ({"sp_seed": 2**63}, "sampling_params.seed"),
         ({"sp_stop": [1, "x"]}, "sampling_params.stop"),
+        ({"sp_stop": [""]}, "sampling_params.stop"),
+        ({"sp_stop": ["ab"] * 33}, "sampling_params.stop"),
+        ({"sp_stop": "x" * 257}, "sampling_params.stop"),
+        ({"sp_stop": [3] * 257}, "sampling_params.stop"),
         ({"some_future_field": 3}, "some_future_field"),
     ],
 )
@@ -597,7 +601,10 @@ def _targets(ids, sparse: bool = False):
         (_targets([[1]] * 3), "4 rows"),
         (_targets([[-1]] * 4), "names no token id"),
         (_targets([[1], [2], [VOCAB], [3]]), "outside the vocabulary"),
-        (_targets([[i for i in range(21)]] * 4), "21 distinct"),
+        (_targets([[r * 6 + j for j in range(6)] for r in range(4)]), "24 distinct"),
+        (_targets([[i for i in range(21)]] * 4), "K = 21 columns; at most 20"),
+        ({"data": [1], "dtype": "int64", "shape": [4, 10**13], "sparse_crow_indices": [0, 1, 1, 1, 1],
+          "sparse_col_indices": [0]}, "K = 10000000000000 columns"),
         (dict(_targets([[1, -1]] * 4, sparse=True), sparse_col_indices=[5, 5, 5, 5]), "sparse CSR"),
     ],
 )

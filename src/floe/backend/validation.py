@@ -22,6 +22,16 @@ VERSION_LIMIT = 2**63 - 1
 # A sampling log-prob above this is refused: log-probs are <= 0, and float noise of a token with
 # probability ~1 stays far below 1e-4.
 LOGPROB_TOLERANCE = 1e-4
+# Stop conditions, bounded because every decode step of every row checks each stop string against
+# the decoded tail (the longest stop string + 8 tokens) while the sampler's model is held, so an
+# unbounded list lets one request stall every other caller of a shared sampler. OpenAI allows 4
+# stop strings, vLLM does not bound them; 32 strings of at most 256 characters cover every stop
+# list an RL recipe or chat template uses (end-of-turn markers, "\n\n", tool-call tags) at a
+# per-step cost of a few microseconds. Stop token ids are looked up in a set (the torch engine)
+# or a short list (vLLM), so they get a wider bound that only keeps requests small.
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
 
 
 def _is_finite_number(value: Any) -> bool:
@@ -239,7 +249,8 @@ def validate_sampling_params(params: Any, vocab_size: int) -> None:
 
     Integer fields are bounded so none overflows the sampler: seed in [0, 2**63), top_k in
     [0, 2**31), stop token ids in [0, vocab_size), top_logprobs in [0, 20]; max_tokens >= 1
-    (bounded by the context in validate_prompts).
+    (bounded by the context in validate_prompts); stop conditions as `check_stops` says.
+    Every route (native, OpenAI, Tinker, prime-rl) reaches the sampler through this check.
     """
     if not isinstance(params, SamplingParams):
         raise InvalidInput("params", f"must be floe.SamplingParams, got {type(params).__name__}")
@@ -255,12 +266,7 @@ def validate_sampling_params(params: Any, vocab_size: int) -> None:
         raise InvalidInput(
             "params.top_k", f"must be an integer in [0, {COUNT_LIMIT}) (0 = off), got {params.top_k!r}"
         )
-    if not isinstance(params.stop_token_ids, list) or not all(
-        type(t) is int and 0 <= t < vocab_size for t in params.stop_token_ids
-    ):
-        raise InvalidInput("params.stop_token_ids", f"must be a list of token ids in [0, {vocab_size})")
-    if not isinstance(params.stop, list) or not all(isinstance(s, str) and s for s in params.stop):
-        raise InvalidInput("params.stop", "must be a list of non-empty strings")
+    check_stops(params.stop, params.stop_token_ids, vocab_size)
     if type(params.stop_at_eos) is not bool:
         raise InvalidInput("params.stop_at_eos", f"must be true or false, got {params.stop_at_eos!r}")
     if params.seed is not None and not _is_int_in(params.seed, 0, SEED_LIMIT):
@@ -271,3 +277,45 @@ def validate_sampling_params(params: Any, vocab_size: int) -> None:
         raise InvalidInput(
             "params.top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}] (0 = none), got {params.top_logprobs!r}"
         )
+
+
+def check_stops(stop: Any, stop_token_ids: Any, vocab_size: int) -> None:
+    """`stop`: a list of at most MAX_STOP_STRINGS strings, each 1..MAX_STOP_CHARS characters of
+    valid Unicode (a lone UTF-16 surrogate can never be generated); `stop_token_ids`: a list of at
+    most MAX_STOP_TOKEN_IDS ids in [0, vocab_size). InvalidInput("params.stop" /
+    "params.stop_token_ids", the message naming the entry) otherwise, checked before any work
+    (see MAX_STOP_STRINGS)."""
+    if not isinstance(stop_token_ids, list):
+        raise InvalidInput("params.stop_token_ids", f"must be a list of token ids in [0, {vocab_size})")
+    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidInput("params.stop_token_ids", f"has {len(stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} "
+                           "stop token ids per request: send only the ids that end a sample")
+    for i, t in enumerate(stop_token_ids):
+        if type(t) is not int or not 0 <= t < vocab_size:
+            raise InvalidInput("params.stop_token_ids", f"must be a list of token ids in [0, {vocab_size}); "
+                               f"[{i}] is {_shown(t)}")
+    if not isinstance(stop, list):
+        raise InvalidInput("params.stop", f"must be a list of non-empty strings, got {type(stop).__name__}")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidInput("params.stop", f"has {len(stop)} stop strings; at most {MAX_STOP_STRINGS} per request "
+                           f"(each 1..{MAX_STOP_CHARS} characters): send only the strings that end a sample")
+    for i, s in enumerate(stop):
+        if not isinstance(s, str) or not s:
+            raise InvalidInput("params.stop", f"must be a list of non-empty strings; [{i}] is {_shown(s)}")
+        if len(s) > MAX_STOP_CHARS:
+            raise InvalidInput("params.stop", f"[{i}] has {len(s)} characters; a stop string has at most "
+                               f"{MAX_STOP_CHARS}: stop on a shorter marker")
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidInput("params.stop", f"[{i}] holds a lone UTF-16 surrogate, which is not a character and "
+                               "is never generated: send valid Unicode text") from None
+
+
+def _shown(value: Any) -> str:
+    """`value` for an error message, cut to 40 characters (a 5000-digit int has no repr)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"an int of {value.bit_length()} bits"
+    return text if len(text) <= 40 else text[:37] + "..."

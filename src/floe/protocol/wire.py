@@ -41,6 +41,10 @@ VERSION = 1
 MAX_HEADER_BYTES = 1 << 20
 MAX_TENSORS = 64
 MAX_DIMS = 4
+# Elements a tensor's shape may describe, counting a 0 dimension as 1: a tensor with data is
+# bounded by its bytes anyway, but an empty one ([0, 2**70]) is not, and numpy refuses (a 500) to
+# even describe one past 2**63 bytes. 2**40 is beyond any body floe accepts.
+MAX_SHAPE_ELEMENTS = 1 << 40
 
 _DTYPES = {"I32": np.dtype("<i4"), "I64": np.dtype("<i8"), "F32": np.dtype("<f4"), "F64": np.dtype("<f8"), "U8": np.dtype("u1")}
 _DTYPE_NAMES = {dt.str: name for name, dt in _DTYPES.items()}
@@ -109,12 +113,20 @@ def _tensor(name: str, spec: Any, data: memoryview) -> np.ndarray:
         raise WireError(f"{field}.shape", f"must be a list of at most {MAX_DIMS} non-negative integers")
     if not _int_list(offsets) or len(offsets) != 2 or not offsets[0] <= offsets[1] <= len(data):
         raise WireError(f"{field}.data_offsets", f"must be [begin, end] within the {len(data)} data bytes")
+    if math.prod(d or 1 for d in shape) > MAX_SHAPE_ELEMENTS:
+        raise WireError(f"{field}.shape", f"{_shown_shape(shape)} describes more than 2**40 elements (a zero "
+                                          "dimension counted as 1); no tensor floe exchanges is that large: send the "
+                                          "tensor's real shape")
     count = math.prod(shape)
     if count * dtype.itemsize != offsets[1] - offsets[0]:
         raise WireError(field, f"shape {shape} of {spec['dtype']} does not match {offsets[1] - offsets[0]} bytes")
     if count == 0:
         return np.empty(shape, dtype)
     return np.frombuffer(data, dtype=dtype, count=count, offset=offsets[0]).reshape(shape)
+
+
+def _shown_shape(shape: list[int]) -> str:
+    return "[" + ", ".join(str(d) if d < 10**12 else f"~2**{d.bit_length() - 1}" for d in shape) + "]"
 
 
 def _int_list(value: Any) -> TypeGuard[list[int]]:

@@ -46,7 +46,8 @@ def _finite(text: str) -> float:
 def parse_json_object(raw: bytes, field: str = "body") -> dict[str, Any]:
     """A JSON object from a request body; InvalidInput(field) when it is not UTF-8 JSON, nests
     deeper than MAX_JSON_DEPTH, holds a non-finite number (`NaN`, `Infinity`, `1e400`; Python's
-parser accepts them) or is not an object."""
+    parser accepts them) or is not an object; InvalidInput naming the value's path (`prompt`,
+    `messages[0].content`) when a string holds a lone UTF-16 surrogate (`"\\ud800"`)."""
     if json_depth(raw) > MAX_JSON_DEPTH:
         raise InvalidInput(field, f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
     try:
@@ -57,4 +58,33 @@ parser accepts them) or is not an object."""
         raise InvalidInput(field, "must be a JSON object (the body is not valid JSON)") from None
     if not isinstance(data, dict):
         raise InvalidInput(field, f"must be a JSON object, got {type(data).__name__}")
+    if _MAYBE_SURROGATE.search(raw):  # only a \uD800-\uDFFF escape can make one (UTF-8 bytes cannot)
+        _refuse_lone_surrogates(data, "")
     return data
+
+
+# A JSON string escape in the UTF-16 surrogate range; json.loads turns an unpaired one into a lone
+# surrogate, which is not a Unicode character: tokenizers, SQLite and UTF-8 encoders then raise
+# (a 500), so every route refuses it here, naming the field.
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+_LONE = re.compile("[\ud800-\udfff]")
+_SURROGATE_FIX = ("holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), which is not a Unicode "
+                  "character: send valid text (a character outside the BMP is a surrogate pair, e.g. \\ud83d\\ude00)")
+
+
+def _refuse_lone_surrogates(value: Any, path: str) -> None:
+    """InvalidInput naming the first string (or object key) of the decoded `value` that holds a
+    lone surrogate; `path` is where `value` is (`messages[0].content`). Depth is bounded by
+    MAX_JSON_DEPTH, so the recursion is too."""
+    if isinstance(value, str):
+        if _LONE.search(value):
+            raise InvalidInput(path or "body", _SURROGATE_FIX)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            if _LONE.search(key):
+                raise InvalidInput(path or "body", f"has a key that {_SURROGATE_FIX}")
+            _refuse_lone_surrogates(item, where)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _refuse_lone_surrogates(item, f"{path}[{i}]")

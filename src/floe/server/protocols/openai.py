@@ -153,7 +153,8 @@ def parse(model: type[BaseModel], raw: bytes) -> Any:
     try:
         data = parse_json_object(raw)
     except InvalidInput as e:
-        raise ApiError(400, "invalid_json", e.message) from None
+        raise ApiError(400, "invalid_json" if e.field == "body" else "invalid_value", e.message,
+                       None if e.field == "body" else e.field) from None
     for name, neutral in UNSUPPORTED.items():
         if name in data:
             value = data.pop(name)

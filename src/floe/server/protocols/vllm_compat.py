@@ -154,7 +154,8 @@ def _json_body(raw: bytes) -> dict[str, Any]:
     try:
         return parse_json_object(raw)
     except InvalidInput as e:
-        raise ApiError(400, "invalid_json", e.message) from None
+        raise ApiError(400, "invalid_json" if e.field == "body" else "invalid_value", e.message,
+                       None if e.field == "body" else e.field) from None
 
 
 def generate_params(raw: dict[str, Any], max_context: int, prompt_len: int) -> tuple[SamplingParams, int, int]:

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from floe.backend.validation import MAX_TOP_LOGPROBS, SEED_LIMIT
+from floe.backend.validation import MAX_TOP_LOGPROBS, SEED_LIMIT, check_stops
 from floe.errors import InvalidInput
 from floe.models.lora import LoraSpec
 from floe.server.protocols.tinker import schema
@@ -150,6 +150,16 @@ def _int_in(field: str, value: Any, lo: int, hi: int, what: str = "") -> int:
 # -- forward / forward_backward -------------------------------------------------------------
 
 
+def _from_bytes(field: str, raw: bytes, dtype: Any, what: str) -> np.ndarray:
+    """`raw` as a flat array of `dtype`; InvalidInput naming `field` when its length is not a
+    whole number of values (np.frombuffer's ValueError would be a 500)."""
+    size = np.dtype(dtype).itemsize
+    if len(raw) % size:
+        raise InvalidInput(field, f"has {len(raw)} bytes, not a multiple of {size}: {what} are packed "
+                                  f"little-endian {np.dtype(dtype).name}, {size} bytes each")
+    return np.frombuffer(raw, dtype=dtype)
+
+
 def _tensor(field: str, msg: Any, key: str, n: int) -> np.ndarray:
     """A proto `Tensor` (dense or sparse CSR) holding one value per input token, as a flat array:
     int64 for target_tokens, float32 (finite) for everything else."""
@@ -164,7 +174,7 @@ def _tensor(field: str, msg: Any, key: str, n: int) -> np.ndarray:
                                   "not supported")
     if msg.HasField("sparse_csr"):
         raise InvalidInput(field, "a sparse tensor must be 2-D, which floe does not support; send it dense")
-    values = np.frombuffer(msg.dense, dtype=dtype)
+    values = _from_bytes(field, msg.dense, dtype, "dense values")
     if values.size != n:
         raise InvalidInput(field, f"has {values.size} values for {n} input tokens")
     if dtype is np.float32 and not np.isfinite(values).all():
@@ -179,14 +189,15 @@ def _tokens(field: str, chunks: Any) -> list[int]:
         kind = chunk.WhichOneof("chunk") if hasattr(chunk, "WhichOneof") else None
         if kind != "encoded_text":
             raise InvalidInput(f"{field}[{k}]", f"only text chunks are supported by floe, got {kind!r}")
-        out.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
+        out.extend(_from_bytes(f"{field}[{k}].tokens", chunk.encoded_text.tokens, np.int32, "token ids").tolist())
     return out
 
 
 def check_forward_tokens(request: Any, vocab_size: int) -> None:
     """The token ids of a decoded `ForwardBackwardRequest` (each datum's model_input chunks and
-    target_tokens) in [0, vocab_size), checked from the request before it is queued;
-    InvalidInput naming the request's field, e.g. `data[0].model_input.chunks[1].tokens[3]`.
+    target_tokens) in [0, vocab_size), and every dense input a whole number of values, checked
+    from the request before it is queued; InvalidInput naming the request's field, e.g.
+    `data[0].model_input.chunks[1].tokens[3]`.
     (The rest is checked when the request's turn comes: stable_reinforce consumes the stability
     records it reads, so converting twice would not do.)"""
     for i, datum in enumerate(request.data):
@@ -196,13 +207,22 @@ def check_forward_tokens(request: Any, vocab_size: int) -> None:
             kind = chunk.WhichOneof("chunk") if hasattr(chunk, "WhichOneof") else None
             if kind != "encoded_text":
                 raise InvalidInput(f"{where}.model_input[{k}]", f"only text chunks are supported by floe, got {kind!r}")
-            ids = np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32)
+            tokens_field = f"{where}.model_input.chunks[{k}].tokens"
+            ids = _from_bytes(tokens_field, chunk.encoded_text.tokens, np.int32, "token ids")
             n += ids.size
-            _check_ids(f"{where}.model_input.chunks[{k}].tokens", ids, vocab_size)
+            _check_ids(tokens_field, ids, vocab_size)
         if "target_tokens" in datum.loss_fn_inputs and n:
             field = f"{where}.loss_fn_inputs.target_tokens"
             target = _tensor(field, datum.loss_fn_inputs["target_tokens"], "target_tokens", n)
             _check_ids(field, target, vocab_size)
+        for key, tensor in datum.loss_fn_inputs.items():  # whole values only, so the seq is refused now
+            size = _DTYPE_BYTES.get(tensor.dtype)
+            if size is not None and not tensor.HasField("sparse_csr"):
+                _from_bytes(f"{where}.loss_fn_inputs.{key}", tensor.dense, f"<{'i' if size == 8 else 'f'}{size}",
+                            "dense values")
+
+
+_DTYPE_BYTES = {schema.DTYPE_INT64: 8, schema.DTYPE_FLOAT32: 4}
 
 
 def _check_ids(field: str, ids: np.ndarray, vocab_size: int) -> None:
@@ -595,6 +615,10 @@ def sampling_params(raw: Any, prompt_len: int, max_context: int, vocab_size: int
     seed = raw.get("seed")
     if seed is not None:
         _int_in("sampling_params.seed", seed, 0, SEED_LIMIT - 1)
+    try:  # floe's bounds on stop conditions (validation.check_stops), refused before the request is queued
+        check_stops(stop_strings, stop_ids, vocab_size if vocab_size is not None else SEED_LIMIT)
+    except InvalidInput as exc:
+        raise InvalidInput("sampling_params.stop", exc.message) from None
     return SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=0 if top_k == -1 else top_k,
         stop_token_ids=stop_ids, stop=stop_strings, seed=seed, stop_at_eos=at_eos,
@@ -643,8 +667,9 @@ def _flag(body: dict[str, Any], key: str) -> bool:
 
 def _target_ids(raw: Any, rows: int, vocab_size: int) -> TargetIds:
     """The `target_prompt_logprobs` TensorData JSON (dense or sparse CSR) checked as the SDK
-    documents it: int64, 2-D, exactly len(prompt) - 1 rows, at least one id, ids in [0, vocab)
-    or -1, at most MAX_TOPK distinct ids (the cost len(prompt) * distinct ids bounded like a
+    documents it: int64, 2-D, exactly len(prompt) - 1 rows and at most MAX_TOPK columns (checked
+    before the [rows, K] ids are allocated), at least one id, ids in [0, vocab) or -1, at most
+    MAX_TOPK distinct ids (the cost len(prompt) * distinct ids bounded like a
     top-k width)."""
     field = "target_prompt_logprobs"
     if not isinstance(raw, dict):
@@ -656,6 +681,10 @@ def _target_ids(raw: Any, rows: int, vocab_size: int) -> TargetIds:
         raise InvalidInput(f"{field}.shape", f"must be 2-D, [len(prompt) - 1, K], got {shape!r}")
     if shape[0] != rows:
         raise InvalidInput(f"{field}.shape", f"must have len(prompt) - 1 = {rows} rows, got {shape[0]}")
+    if shape[1] > MAX_TOPK:  # before anything is allocated: [rows, K] int64 ids, then K float32 answers per row
+        raise InvalidInput(f"{field}.shape", f"has K = {shape[1]} columns; at most {MAX_TOPK} (K is the ids scored "
+                                             f"per position, bounded like a top-k width, and a request names at most "
+                                             f"{MAX_TOPK} distinct ids): put each row's ids in its first columns")
     data = raw.get("data")
     if not isinstance(data, list) or not all(type(v) is int for v in data):
         raise InvalidInput(f"{field}.data", "must be a list of integer token ids")

@@ -607,6 +607,10 @@ class TinkerService:
         if num * params.max_tokens > self.bounds.sampled_tokens_per_request:
             raise InvalidInput("num_samples", f"num_samples x max_tokens = {num * params.max_tokens} exceeds "
                                f"{self.bounds.sampled_tokens_per_request} ([server] tinker_max_sampled_tokens_per_request)")
+        if num > manager.max_batch_sequences:  # the engine's own check, made now instead of inside the future
+            raise InvalidInput("num_samples", f"must be at most {manager.max_batch_sequences}: all samples of a prompt "
+                               "decode in one batch of [sampler.engine] max_batch_sequences rows; got "
+                               f"{num}: split the request")
         if call.record_stability and num * params.max_tokens > self.bounds.stability_tokens:
             raise InvalidInput("record_stability_info", f"num_samples x max_tokens = {num * params.max_tokens} exceeds "
                                f"the {self.bounds.stability_tokens} tokens of stability info this server records per key "
