@@ -22,6 +22,7 @@ from floe.backend.validation import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from floe.protocol import wire
 from floe.server.protocols.tinker import schema
 from tests.server.conftest import TOKEN, ServerProcess, free_port, write_config
+from tests.server.test_security import Tinker
 
 KEY_A, KEY_B = "tml-alice-key-0001", "tml-bob-key-0002"
 GAP_S = 30  # sequence_timeout_s: a seq the sequencer did not skip would hold the next one this long
@@ -40,26 +41,12 @@ def server(tmp_path_factory: pytest.TempPathFactory, server_model: Path):
     proc.stop(signal.SIGKILL)
 
 
-class Tenant:
-    """A raw Tinker client for one key (the bodies the tinker SDK sends)."""
+class Tenant(Tinker):
+    """test_security's raw Tinker client, with the sampling requests these tests send."""
 
     def __init__(self, url: str, key: str):
-        self.http = httpx.Client(base_url=url + "/api/v1", timeout=120, headers={"X-API-Key": key})
-
-    def post(self, path: str, body: dict | None = None, **kw) -> httpx.Response:
-        return self.http.post(path, json=body, **kw) if body is not None else self.http.post(path, **kw)
-
-    def result(self, future: httpx.Response) -> dict:
-        assert future.status_code == 200, future.text
-        rid = future.json()["request_id"]
-        while True:
-            got = self.http.post("/retrieve_future", json={"request_id": rid})
-            if got.status_code != 408:
-                assert got.status_code == 200, got.text
-                return got.json() if got.headers["content-type"].startswith("application/json") else {"raw": got.content}
-
-    def session(self) -> str:
-        return self.post("/create_session", {"tags": [], "user_metadata": None, "sdk_version": "0.38.0"}).json()["session_id"]
+        super().__init__(url, key)
+        self.http.timeout = httpx.Timeout(120)
 
     def base_sampler(self, model: Path) -> str:
         out = self.post("/create_sampling_session", {"session_id": self.session(), "sampling_session_seq_id": 1,

@@ -22,7 +22,7 @@ from tests.integrations.stock import key_name
 from tests.integrations.verl.assets import make_data, make_model
 from tests.integrations.verl.run import VLLM_RECIPE_SWITCH, grpo_recipe, run_main_ppo
 from tests.integrations.verl.stock_recipes import FULLY_ASYNC, FULLY_ASYNC_NOT_IN_VERL_091, cpu_sized
-from tests.integrations.verl.test_one_step import verl_root
+from tests.integrations.verl.test_one_step import composed, verl_root
 
 pytestmark = [pytest.mark.verl, pytest.mark.timeout(1200)]
 
@@ -124,17 +124,8 @@ def test_verls_fully_async_trainer_runs_on_floe_with_partial_rollouts_and_stalen
 
 
 def composed_fully_async(overrides: list[str], monkeypatch: pytest.MonkeyPatch) -> dict:
-    """verl's fully-async config (Hydra, fully_async_ppo_trainer.yaml over ppo_trainer.yaml) with `overrides`."""
-    from hydra import compose, initialize_config_dir  # noqa: PLC0415 - verl's environment
-    from omegaconf import OmegaConf  # noqa: PLC0415
-
-    monkeypatch.chdir(verl_root())
-    config_dir = verl_root() / "verl" / "experimental" / "fully_async_policy" / "config"
-    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
-        cfg = compose("fully_async_ppo_trainer", overrides=overrides)
-    out = OmegaConf.to_container(cfg, resolve=True)
-    assert isinstance(out, dict)
-    return out
+    """verl's fully-async config (fully_async_ppo_trainer.yaml over ppo_trainer.yaml) with `overrides`."""
+    return composed("fully_async_policy", "fully_async_ppo_trainer", overrides, monkeypatch)
 
 
 # The stock keys but its paths (the script's shell expands them) and its model override, on the CPU.

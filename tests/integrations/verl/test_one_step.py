@@ -84,18 +84,24 @@ def test_verls_one_step_off_policy_trainer_runs_on_floe_with_staleness_per_sampl
             assert m["floe/policy_version"] == run.steps[step - 1]["floe/policy_version"] + 1
 
 
-def composed_one_step(overrides: list[str], monkeypatch: pytest.MonkeyPatch) -> dict:
-    """verl's one-step config (Hydra, one_step_off_ppo_trainer.yaml over ppo_trainer.yaml) with `overrides`."""
+def composed(entry: str, config_name: str, overrides: list[str], monkeypatch: pytest.MonkeyPatch) -> dict:
+    """verl's config of `verl/experimental/<entry>/config/<config_name>.yaml` (Hydra, over
+    ppo_trainer.yaml) with `overrides`, resolved."""
     from hydra import compose, initialize_config_dir  # noqa: PLC0415 - verl's environment
     from omegaconf import OmegaConf  # noqa: PLC0415
 
     monkeypatch.chdir(verl_root())  # the config's searchpath, file://verl/trainer/config, is relative
-    config_dir = verl_root() / "verl" / "experimental" / "one_step_off_policy" / "config"
+    config_dir = verl_root() / "verl" / "experimental" / entry / "config"
     with initialize_config_dir(config_dir=str(config_dir), version_base=None):
-        cfg = compose("one_step_off_ppo_trainer", overrides=overrides)
+        cfg = compose(config_name, overrides=overrides)
     out = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(out, dict)
     return out
+
+
+def composed_one_step(overrides: list[str], monkeypatch: pytest.MonkeyPatch) -> dict:
+    """verl's one-step config (one_step_off_ppo_trainer.yaml over ppo_trainer.yaml) with `overrides`."""
+    return composed("one_step_off_policy", "one_step_off_ppo_trainer", overrides, monkeypatch)
 
 
 # The stock keys but paths (the script's shell expands them), on the CPU.
