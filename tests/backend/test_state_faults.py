@@ -154,3 +154,18 @@ def test_state_json_records_every_file_and_its_size(make_client, tmp_path):
     directory = tmp_path / "states" / "s"
     meta = json.loads((directory / "state.json").read_text())
     assert meta["files"] == {p.name: p.stat().st_size for p in directory.iterdir() if p.name != "state.json"}
+
+
+def test_a_state_whose_sampler_version_is_beyond_int64_is_refused_and_changes_nothing(make_client, tmp_path):
+    """A state.json edited to a version no wire can carry (2**63) would break every sample reply."""
+    client = make_client()
+    client.save_state("v")
+    path = tmp_path / "states" / "v" / "state.json"
+    meta = json.loads(path.read_text())
+    meta["sampler_version"] = 2**63
+    path.write_text(json.dumps(meta))
+    before = state_snapshot(client)
+    with pytest.raises(floe.StateError) as e:
+        client.load_state("v")
+    assert "2**63 - 1" in str(e.value), str(e.value)
+    assert_same_state(before, state_snapshot(client))
