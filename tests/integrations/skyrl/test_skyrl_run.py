@@ -19,6 +19,7 @@ Runs only in the SkyRL environment (scripts/ci/skyrl.sh, marker `skyrl`).
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -125,7 +126,10 @@ def check_run(proc: subprocess.CompletedProcess[str], out: Path, model: Path, lr
             assert r["policy/rollout_train_logprobs_abs_diff_mean"] < 1e-4, r
         assert r["reward/avg_raw_reward"] > 0, r  # the shaped reward reads the model's text
         assert r["policy/grad_norm"] > 0, r  # non-zero advantages reached the loss
-        assert r["policy/final_loss"] != 0, r
+        # The loss itself may be exactly 0 at ratio 1: with group-normalised advantages (zero mean
+        # per group) and every response the same length (all hit max_tokens), the token-mean
+        # policy loss is -mean(A) = 0 while its gradient is not (seen in CI, 2026-12-07).
+        assert math.isfinite(r["policy/final_loss"]), r
         check_throughput(r, model, peak_tflops)
     if lrs is not None:
         per_step = TRAIN_BATCH // MINI_BATCH
