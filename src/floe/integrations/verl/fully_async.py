@@ -64,7 +64,6 @@ from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient
 
 from floe.errors import InvalidInput
 from floe.integrations.staleness import append_samples, staleness_stats
-from floe.integrations.verl.backend_config import floe_target
 from floe.integrations.verl.one_step import FloeTensorDictWorkerGroup, check_one_step
 from floe.integrations.verl.plugin import FloeConnection, FloeReplica, FloeWeightSync, start_session
 from floe.integrations.verl.schedule import VerlSchedule
@@ -142,9 +141,7 @@ class FloeFullyAsyncTrainer(VerlTrainer):  # type: ignore[misc, valid-type]
         self.actor_wg = self.actor_rollout_wg = session.worker_group
         if self.use_reference_policy:
             self.ref_policy_wg = self.actor_rollout_wg
-        cfg = OmegaConf.to_container(self.config, resolve=True)
-        assert isinstance(cfg, dict)
-        chunk = floe_target(cfg).rollout_chunk_tokens if self.config.async_training.partial_rollout else None
+        chunk = session.rollout_chunk_tokens if self.config.async_training.partial_rollout else None
         group = session.worker_group
         self.floe_rollout = FloeConnection(group.url, group.token, group.timeout_s, chunk)
         self.floe_samples = Path(self.config.trainer.default_local_dir) / SAMPLES_FILE

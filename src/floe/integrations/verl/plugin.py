@@ -363,6 +363,7 @@ class FloeSession:
     client: floe.Client
     worker_group: FloeWorkerGroup
     policy_devices: int  # floe's policy devices (info().capabilities): perf/throughput's divisor
+    rollout_chunk_tokens: int  # the `floe` block's, for verl's fully-async partial rollouts
 
 
 def start_session(config: Any, use_critic: bool, worker_group_cls: type[FloeWorkerGroup] = FloeWorkerGroup,
@@ -431,7 +432,7 @@ def start_session(config: Any, use_critic: bool, worker_group_cls: type[FloeWork
     rollout = cfg["actor_rollout_ref"]["rollout"]
     group.world_size = (rollout["tensor_model_parallel_size"] * rollout["data_parallel_size"]
                         * rollout["pipeline_model_parallel_size"])
-    return FloeSession(server, client, group, int(capabilities.get("policy_devices", 1)))
+    return FloeSession(server, client, group, int(capabilities.get("policy_devices", 1)), target.rollout_chunk_tokens)
 
 
 @register_trainer("floe")
