@@ -8,6 +8,12 @@ until pytest's own timeout hides which step was slow.
 
 `join_all(processes)` is the same bound for tests that start their own processes.
 
+A rank killed by a signal (a native abort, e.g. gloo's TCP transport calling std::terminate,
+which a CI run saw once on a loaded machine: "terminate called without an active exception"
+at the first collective of test_fsdp) gets the whole spawn retried once, after a warning with
+that rank's Python stack (faulthandler is on in every rank) and with the callers' rendezvous
+files removed so the retry meets afresh; a rank that raises, a second abort, or a hang fails.
+
 `RANK_TIMEOUT_S` is the bound the spawned-rank tests use: generous, so a loaded shared machine
 (load average about 10 on 2 cores runs these processes about 5x slower) still finishes, and
 scaled by $FLOE_TEST_SLOWDOWN for slower machines. `collective_timeout()` is the timeout the
@@ -16,13 +22,18 @@ ranks give torch.distributed, so a rank whose peer died fails instead of waiting
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import sys
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessExitedException
 
 SLOWDOWN = float(os.environ.get("FLOE_TEST_SLOWDOWN", "1"))
 RANK_TIMEOUT_S = 600.0 * SLOWDOWN
@@ -33,11 +44,15 @@ def collective_timeout() -> timedelta:
     return timedelta(seconds=RANK_TIMEOUT_S / 2)
 
 
-def run_ranks(fn: Callable[..., Any], world: int, args: tuple[Any, ...], timeout_s: float = RANK_TIMEOUT_S) -> float:
-    """Run `fn(rank, world, *args)` on `world` spawned ranks; returns the seconds they took.
-    AssertionError when a rank fails or the ranks are not done within `timeout_s`."""
+def _traced(rank: int, fn: Callable[..., Any], *args: Any) -> None:
+    """A spawned rank: faulthandler on (a native abort prints the rank's Python stack), then fn."""
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    fn(rank, *args)
+
+
+def _run_once(fn: Callable[..., Any], world: int, args: tuple[Any, ...], timeout_s: float) -> None:
     began = time.monotonic()
-    context = mp.start_processes(fn, args=(world, *args), nprocs=world, join=False, start_method="spawn")
+    context = mp.start_processes(_traced, args=(fn, world, *args), nprocs=world, join=False, start_method="spawn")
     try:
         while not context.join(timeout=max(0.0, min(5.0, began + timeout_s - time.monotonic()))):
             if time.monotonic() - began >= timeout_s:
@@ -49,6 +64,24 @@ def run_ranks(fn: Callable[..., Any], world: int, args: tuple[Any, ...], timeout
             if process.is_alive():
                 process.kill()
                 process.join(10)
+
+
+def run_ranks(fn: Callable[..., Any], world: int, args: tuple[Any, ...], timeout_s: float = RANK_TIMEOUT_S,
+              rendezvous: Sequence[Path | str] = ()) -> float:
+    """Run `fn(rank, world, *args)` on `world` spawned ranks; returns the seconds they took.
+    AssertionError when a rank fails or the ranks are not done within `timeout_s` (each attempt).
+    `rendezvous`: the files the ranks' `file://` init methods use, removed before a retry."""
+    began = time.monotonic()
+    try:
+        _run_once(fn, world, args, timeout_s)
+    except ProcessExitedException as e:
+        if e.signal_name is None:  # a Python exception in a rank (its traceback is in e): a real failure
+            raise
+        warnings.warn(f"rank {e.error_index} of {getattr(fn, '__name__', fn)} was killed by {e.signal_name} "
+                      "(its Python stack is in the captured stderr); retrying the spawn once", stacklevel=2)
+        for path in rendezvous:
+            Path(path).unlink(missing_ok=True)
+        _run_once(fn, world, args, timeout_s)
     return time.monotonic() - began
 
 

@@ -267,7 +267,7 @@ def _rank_main(rank: int, world: int, scenario: str, model_dir: str, work: str) 
 
 def _spawn(world: int, scenario: str, model_dir: Path, work: Path) -> dict[str, Any]:
     (work / scenario).mkdir(parents=True, exist_ok=True)
-    run_ranks(_rank_main, world, (scenario, str(model_dir), str(work)))
+    run_ranks(_rank_main, world, (scenario, str(model_dir), str(work)), rendezvous=[work / f"rdzv-{scenario}"])
     return json.loads((work / scenario / "record.json").read_text())
 
 

@@ -159,7 +159,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     _save(PolicyZone(load_model(model_dir, "float32", "cpu"), OPT, COMPUTE), work / "full_state")
     _save(_local_zone(model_dir, lora=LORA.model_copy(update={"rank": 8})), work / "rank8_state")
     (work / "train").mkdir()
-    run_ranks(_rank_main, 2, (model_dir, str(work)))
+    run_ranks(_rank_main, 2, (model_dir, str(work)), rendezvous=[work / "rdzv-lora"])
     return {
         "work": work, "model_dir": model_dir, "local_steps": steps, "local_forward": forward,
         "local_initial": initial, "local_adapter": {k: v.clone() for k, v in local.model.state_dict().items()},

@@ -259,7 +259,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     for scenario, world in (("two", 2), ("one", 1)):
         for kind in ("tied", "untied"):
             (work / scenario / kind).mkdir(parents=True)
-        run_ranks(_rank_main, world, (scenario, str(work)))
+        run_ranks(_rank_main, world, (scenario, str(work)), rendezvous=[work / f"rdzv-{scenario}"])
     return {"work": work, "local": local, **{s: json.loads((work / s / "record.json").read_text()) for s in ("two", "one")}}
 
 
