@@ -31,7 +31,9 @@ def test_an_abort_once_is_retried_with_a_fresh_rendezvous(tmp_path: Path) -> Non
     with pytest.warns(UserWarning, match="killed by SIGABRT"):
         run_ranks(_rank, 2, (str(tmp_path), "abort_once"), timeout_s=120, rendezvous=[rendezvous])
     assert not rendezvous.exists()
-    assert sorted(p.name for p in tmp_path.glob("rank*")) == ["rank0-0", "rank0-1", "rank1-0", "rank1-1"]
+    # rank 1 ran twice; rank 0 once or twice (the abort may end the first attempt before rank 0 starts)
+    assert sorted(p.name for p in tmp_path.glob("rank1-*")) == ["rank1-0", "rank1-1"]
+    assert 1 <= len(list(tmp_path.glob("rank0-*"))) <= 2
 
 
 def test_a_second_abort_fails(tmp_path: Path) -> None:

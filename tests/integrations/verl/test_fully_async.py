@@ -5,8 +5,10 @@ the tiny model on this CPU machine: three weights versions of 32 prompts (requir
 mini-batch 2 × trigger_parameter_sync_step 4), 12 training steps. The rollouter generates while
 the trainer trains; partial rollouts are on (the recipe's), so a sync interrupts running responses,
 which resume on the new weights. Each sample's floe weights versions give its staleness, logged by
-verl per sync cycle (`floe/staleness/*`) and per sample (floe_samples.jsonl). Runs in verl's
-environment (scripts/ci/verl.sh)."""
+verl per sync cycle (`floe/staleness/*`) and per sample (floe_samples.jsonl). The run checkpoints
+(verl's save_freq, here every 2 versions and at the end); a second run with the recipe's
+`resume_mode=auto` in the same directory resumes from the last one and trains a fourth version.
+Runs in verl's environment (scripts/ci/verl.sh)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import pytest
 
 from tests.integrations.stock import key_name
 from tests.integrations.verl.assets import make_data, make_model
-from tests.integrations.verl.run import VLLM_RECIPE_SWITCH, grpo_recipe, run_main_ppo
+from tests.integrations.verl.run import VLLM_RECIPE_SWITCH, Run, grpo_recipe, run_main_ppo
 from tests.integrations.verl.stock_recipes import FULLY_ASYNC, FULLY_ASYNC_NOT_IN_VERL_091, cpu_sized
 from tests.integrations.verl.test_one_step import composed, verl_root
 
@@ -36,15 +38,25 @@ OVERRIDE = "+actor_rollout_ref.model.override_config.max_position_embeddings=327
 CPU_PARALLELISM = {"actor_rollout_ref.actor.fsdp_config.fsdp_size": "-1"}
 
 
-def on_cpu(out: Path, assets: dict[str, Path]) -> list[str]:
-    """The stock recipe, `cpu_sized`, with the fully-async trainer's own sizes for this machine."""
+SAVE_FREQ = 2  # versions; verl also saves at the end of a run (save_freq > 0)
+
+
+def on_cpu(out: Path, assets: dict[str, Path], versions: int = VERSIONS) -> list[str]:
+    """The stock recipe, `cpu_sized`, with the fully-async trainer's own sizes for this machine,
+    for a run of `versions` weights versions in all (a resumed run counts the ones before it)."""
     args = cpu_sized(FULLY_ASYNC, grpo_recipe(assets["model"], assets["train"], assets["test"], out))
     sizes = {
         # the recipe's own 0 (verl's rollouter asserts it: one prompt at a time), where the base's 4 won
         "data.train_batch_size": "0",
         # a path, and the run's size in prompts (len(data) bounds it too)
         "trainer.default_local_dir": str(out / "checkpoints"),
-        "rollout.total_rollout_steps": str(PROMPTS_PER_VERSION * VERSIONS),
+        "rollout.total_rollout_steps": str(PROMPTS_PER_VERSION * versions),
+        # the recipe's -1 saves nothing; the resume test needs checkpoints
+        "trainer.save_freq": str(SAVE_FREQ),
+        # the recipe's rollout.test_freq=10 (verl 0.9.1 names it trainer.test_freq), scaled to the run:
+        # the rollouter validates on floe's sampler at version 3; the resumed run ends at 4, which 3
+        # does not divide, so verl syncs version 4 once more at its end (the sync manager's no-op)
+        "trainer.test_freq": str(VERSIONS),
         # Generation the long pole, as the recipe's 8k-token responses make it on its GPUs: one rollout
         # server taking 2 prompts at a time (the rollout pool's size and its per-replica concurrency;
         # at the recipe's 16 a replica starts a cycle's whole budget at once, which the tiny model
@@ -63,7 +75,7 @@ def on_cpu(out: Path, assets: dict[str, Path]) -> list[str]:
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory, shared_ray: str) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("verl-fully-async")
-    train, test = make_data(root / "data", train_rows=PROMPTS_PER_VERSION * VERSIONS)
+    train, test = make_data(root / "data", train_rows=PROMPTS_PER_VERSION * (VERSIONS + 1))  # + the resumed run's
     return {"root": root, "model": make_model(root / "tiny"), "train": train, "test": test}
 
 
@@ -71,12 +83,21 @@ def read_samples(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_verls_fully_async_trainer_runs_on_floe_with_partial_rollouts_and_staleness_per_sample(assets):
-    out = assets["root"] / "run"
-    run = run_main_ppo(on_cpu(out, assets), assets["root"] / "fully_async.log", timeout_s=1000,
+def run_fully_async(out: Path, assets: dict[str, Path], log: str, versions: int = VERSIONS) -> Run:
+    run = run_main_ppo(on_cpu(out, assets, versions), assets["root"] / log, timeout_s=1000,
                        switch=VLLM_RECIPE_SWITCH, entrypoint=ENTRYPOINT, cwd=verl_root())
-    print(f"verl {FULLY_ASYNC.source} on floe: exit {run.returncode}, {run.seconds:.0f} s")
+    print(f"verl {FULLY_ASYNC.source} on floe ({log}): exit {run.returncode}, {run.seconds:.0f} s")
     assert run.returncode == 0, run.log[-6000:]
+    return run
+
+
+@pytest.fixture(scope="module")
+def first_run(assets: dict[str, Path]) -> Run:
+    return run_fully_async(assets["root"] / "run", assets, "fully_async.log")
+
+
+def test_verls_fully_async_trainer_runs_on_floe_with_partial_rollouts_and_staleness_per_sample(assets, first_run):
+    out, run = assets["root"] / "run", first_run
     assert "floe backend at http://127.0.0.1" in run.log, run.log[-3000:]
     # verl logs per sync cycle, at the new param version: 1, 2, 3 in order (0: the first sync's timing)
     logged = [int(m.group(1)) for m in map(STEP_LINE.search, run.log.splitlines()) if m]
@@ -106,6 +127,9 @@ def test_verls_fully_async_trainer_runs_on_floe_with_partial_rollouts_and_stalen
     print(f"staleness: {sum(r['staleness'] for r in samples) / len(samples):.3f} mean, "
           f"{max(r['staleness'] for r in samples)} max over {len(samples)} samples; "
           f"{len(spanning)} responses span two versions")
+    # verl's validation (its rollouter's _validate on floe's rollout servers) at version 3 only
+    validated = sorted(s for s, m in run.steps.items() if any(k.startswith("val-core/") for k in m))
+    assert validated == [VERSIONS], {s: sorted(m)[:8] for s, m in run.steps.items()}
     for cycle in range(1, VERSIONS + 1):
         m = run.steps[cycle]
         assert math.isfinite(m["actor/grad_norm"]) and m["actor/grad_norm"] > 0, (cycle, m)
@@ -121,6 +145,39 @@ def test_verls_fully_async_trainer_runs_on_floe_with_partial_rollouts_and_stalen
         assert m["fully_async/partial/total_partial_num"] == spans, (cycle, m)  # verl's own count of them
         assert m["floe/policy_version"] == rows[0]["policy_version"]
         assert m["fully_async/count/current_param_version"] == cycle - 1  # verl's own count, at the cycle's steps
+
+
+def marker_of(out: Path, version: int) -> dict:
+    return json.loads((out / "checkpoints" / f"global_step_{version}" / "actor" / "floe_state.json").read_text())
+
+
+def test_a_second_run_resumes_from_the_last_checkpoint(assets, first_run):
+    """The recipe's resume_mode=auto: verl's trainer finds global_step_3 (the first run's end) and
+    loads its floe state, verl's rollouter its dataloader position; the run trains version 4 only,
+    from the saved weights and optimizer state, and saves it. (Its end re-syncs version 4 before
+    verl's final validation check: without the sync manager's no-op the run fails there.)"""
+    out = assets["root"] / "run"
+    assert sorted(p.name for p in (out / "checkpoints").glob("global_step_*")) == ["global_step_2", "global_step_3"]
+    saved = marker_of(out, VERSIONS)
+    assert saved["state"] == f"verl_step_{VERSIONS}" and saved["step"] > 0
+    before = len(read_samples(out / "checkpoints" / "floe_samples.jsonl"))
+    run = run_fully_async(out, assets, "fully_async_resumed.log", versions=VERSIONS + 1)
+    assert f"Resuming from  {out / 'checkpoints' / f'global_step_{VERSIONS}'}" in run.log, run.log[-3000:]
+    logged = [int(m.group(1)) for m in map(STEP_LINE.search, run.log.splitlines()) if m]
+    # the first line is the resumed version's initial sync (as 0 in a fresh run), then one more cycle, numbered on
+    assert logged[0] == VERSIONS and set(logged[1:]) == {VERSIONS + 1}, logged
+    resumed = marker_of(out, VERSIONS + 1)
+    # floe's optimizer continued from the loaded state: its step count goes on from the checkpoint's
+    assert resumed["step"] == saved["step"] * (VERSIONS + 1) // VERSIONS, (saved, resumed)
+    new = read_samples(out / "checkpoints" / "floe_samples.jsonl")[before:]
+    assert len(new) == 4 * 2 * 4 * 2 and {r["param_version"] for r in new} == {VERSIONS}  # 4 steps of 16 samples
+    # verl's step numbers go on past the first run's 12 (verl 0.9.1 resumes at 13 and counts its first step 14)
+    steps = sorted({r["step"] for r in new})
+    assert steps == list(range(steps[0], steps[0] + 4)) and steps[0] > VERSIONS * 4, steps
+    # verl's rollouter took up its dataloader where the checkpoint left it (the prompts after the first run's)
+    assert f"Loaded dataloader state from {out / 'checkpoints' / f'global_step_{VERSIONS}' / 'data.pt'}" in run.log
+    for r in new:
+        assert r["staleness"] == r["policy_version"] - r["weights_version"] >= 0, r
 
 
 def composed_fully_async(overrides: list[str], monkeypatch: pytest.MonkeyPatch) -> dict:
@@ -225,6 +282,45 @@ def test_an_aborted_response_returns_its_tokens_and_resumes_on_the_new_weights(t
         k = len(first.token_ids)
         assert now[k:] == pytest.approx(rest.log_probs, abs=1e-4)
         assert max(abs(a - b) for a, b in zip(now[:k], first.log_probs)) > 1e-3
+    finally:
+        ray.shutdown()
+        server.stop()
+
+
+def test_a_resync_of_the_last_step_is_a_no_op_and_new_weights_need_a_new_step(tmp_path, shared_ray):
+    """verl's fully-async trainer syncs its last version once more before a final validation
+    (when test_freq does not divide it): the same verl step, unchanged weights. floe's versions
+    only move forward, so the sync manager skips it; weights trained since then under the same
+    step number are refused. A real `floe serve` (no replicas: the offset alone is set)."""
+    import ray  # noqa: PLC0415
+
+    import floe  # noqa: PLC0415
+    from floe.integrations.verl.local_server import LocalServer  # noqa: PLC0415 - verl's environment
+    from floe.integrations.verl.plugin import FloeWeightSync  # noqa: PLC0415
+
+    server = LocalServer({"model": str(make_model(tmp_path / "tiny")), "device": "cpu",
+                          "state_dir": str(tmp_path / "state"), "optimizer": {"lr": 0.05}})
+    ray.init(address=shared_ray)
+    try:
+        client = floe.connect(server.url, token=server.token)
+        sync = FloeWeightSync(client, [])
+
+        def train() -> None:
+            client.forward_backward(floe.Batch([floe.Group([5, 6, 7], [floe.Sample([8, 9])])]), "cross_entropy")
+            client.optim_step()
+
+        train()
+        sync.update_weights(3)  # a resumed run's first sync: verl's step 3
+        first = client.info().sampler_version
+        assert sync.version == first and sync.calls == 1
+        sync.update_weights(3)  # the re-sync before a final validation
+        assert client.info().sampler_version == first and sync.calls == 1
+        train()
+        with pytest.raises(floe.StateError, match="stepped since"):
+            sync.update_weights(3)
+        assert client.info().sampler_version == first  # nothing synced
+        sync.update_weights(4)
+        assert client.info().sampler_version == sync.version == first + 1 and sync.calls == 2
     finally:
         ray.shutdown()
         server.stop()

@@ -57,7 +57,7 @@ from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutRep
 
 import floe
 from floe.convert import verl_sequence_values, verl_to_batch
-from floe.errors import InvalidInput
+from floe.errors import InvalidInput, StateError
 from floe.integrations.hardware import check_server_lora, describe
 from floe.integrations.verl.backend_config import floe_target
 from floe.integrations.verl.local_server import LocalServer
@@ -333,15 +333,29 @@ class FloeWeightSync:
         self.replicas = replicas
         self.offset: int | None = None
         self.version: int | None = None  # the last synced version: the policy's weights the next step trains
+        self.synced_step: int | None = None  # the policy's optimizer step at that sync
         self.calls = 0
 
     def update_weights(self, global_steps: int | None = None) -> None:
+        """Sync the policy to the sampler as verl's step `global_steps`. A second call for the
+        step last synced is a no-op when the policy has not stepped since (verl's fully-async
+        trainer re-syncs its last version before a final validation; floe versions only move
+        forward); StateError if it has (new weights under an old step number)."""
         if global_steps is None:  # a re-wake with unchanged weights (verl's colocated reward path)
             return
         if self.offset is None:
             self.offset = self.client.info().sampler_version + 1 - int(global_steps)
             ray.get([s.set_version_offset.remote(self.offset) for r in self.replicas for s in r.servers])
-        self.version = self.client.sync_weights(version=self.offset + int(global_steps)).version
+        version = self.offset + int(global_steps)
+        if version == self.version:
+            step = self.client.info().step
+            if step != self.synced_step:
+                raise StateError(f"update_weights: verl step {global_steps} was synced at policy step "
+                                 f"{self.synced_step}, and the policy has stepped since (now {step}): new weights "
+                                 "need a new step number")
+            return
+        self.version = self.client.sync_weights(version=version).version
+        self.synced_step = self.client.info().step
         self.calls += 1
 
     def sleep_replicas(self) -> None:
