@@ -83,8 +83,13 @@ def read_samples(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def run_fully_async(out: Path, assets: dict[str, Path], log: str, versions: int = VERSIONS) -> Run:
-    run = run_main_ppo(on_cpu(out, assets, versions), assets["root"] / log, timeout_s=1000,
+def run_fully_async(out: Path, assets: dict[str, Path], log: str, versions: int = VERSIONS,
+                    override: dict[str, str] | None = None) -> Run:
+    """The stock recipe on this CPU (`on_cpu`), `override` (key -> value) replacing its keys."""
+    args = on_cpu(out, assets, versions)
+    if override:
+        args = [k for k in args if key_name(k) not in override] + [f"{k}={v}" for k, v in override.items()]
+    run = run_main_ppo(args, assets["root"] / log, timeout_s=1000,
                        switch=VLLM_RECIPE_SWITCH, entrypoint=ENTRYPOINT, cwd=verl_root())
     print(f"verl {FULLY_ASYNC.source} on floe ({log}): exit {run.returncode}, {run.seconds:.0f} s")
     assert run.returncode == 0, run.log[-6000:]
@@ -178,6 +183,18 @@ def test_a_second_run_resumes_from_the_last_checkpoint(assets, first_run):
     assert f"Loaded dataloader state from {out / 'checkpoints' / f'global_step_{VERSIONS}' / 'data.pt'}" in run.log
     for r in new:
         assert r["staleness"] == r["policy_version"] - r["weights_version"] >= 0, r
+
+
+def test_without_partial_rollouts_no_response_spans_a_sync(assets):
+    """`async_training.partial_rollout=False`: each response is one floe `sample` call, which a sync
+    lets finish on the weights it started with; two versions of the stock recipe otherwise."""
+    out = assets["root"] / "whole"
+    run_fully_async(out, assets, "fully_async_whole.log", versions=2, override={"async_training.partial_rollout": "False"})
+    samples = read_samples(out / "checkpoints" / "floe_samples.jsonl")
+    assert len(samples) == 2 * 4 * 2 * 4 * 2  # 2 cycles of 4 steps of 16 samples
+    assert all(r["newest_weights_version"] == r["weights_version"] for r in samples), "a response spans a sync"
+    for r in samples:
+        assert 0 <= r["staleness"] == r["policy_version"] - r["weights_version"] <= math.ceil(0.1), r
 
 
 def composed_fully_async(overrides: list[str], monkeypatch: pytest.MonkeyPatch) -> dict:
