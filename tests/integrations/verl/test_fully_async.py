@@ -41,9 +41,11 @@ CPU_PARALLELISM = {"actor_rollout_ref.actor.fsdp_config.fsdp_size": "-1"}
 SAVE_FREQ = 2  # versions; verl also saves at the end of a run (save_freq > 0)
 
 
-def on_cpu(out: Path, assets: dict[str, Path], versions: int = VERSIONS) -> list[str]:
+def on_cpu(out: Path, assets: dict[str, Path], versions: int = VERSIONS,
+           override: dict[str, str] | None = None) -> list[str]:
     """The stock recipe, `cpu_sized`, with the fully-async trainer's own sizes for this machine,
-    for a run of `versions` weights versions in all (a resumed run counts the ones before it)."""
+    for a run of `versions` weights versions in all (a resumed run counts the ones before it);
+    `override` (key -> value) replaces more of its keys."""
     args = cpu_sized(FULLY_ASYNC, grpo_recipe(assets["model"], assets["train"], assets["test"], out))
     sizes = {
         # the recipe's own 0 (verl's rollouter asserts it: one prompt at a time), where the base's 4 won
@@ -65,6 +67,7 @@ def on_cpu(out: Path, assets: dict[str, Path], versions: int = VERSIONS) -> list
         "rollout.n_gpus_per_node": "1", "async_training.concurrent_samples_per_replica": "2",
         "floe.rollout_chunk_tokens": "2",
         **CPU_PARALLELISM,
+        **(override or {}),
     }
     # The recipe's model override: floe refuses it (floe loads the model's own config.json, as
     # the script's comment asks the user to edit; test_fully_async_keys... checks the refusal).
@@ -85,11 +88,8 @@ def read_samples(path: Path) -> list[dict]:
 
 def run_fully_async(out: Path, assets: dict[str, Path], log: str, versions: int = VERSIONS,
                     override: dict[str, str] | None = None) -> Run:
-    """The stock recipe on this CPU (`on_cpu`), `override` (key -> value) replacing its keys."""
-    args = on_cpu(out, assets, versions)
-    if override:
-        args = [k for k in args if key_name(k) not in override] + [f"{k}={v}" for k, v in override.items()]
-    run = run_main_ppo(args, assets["root"] / log, timeout_s=1000,
+    """The stock recipe on this CPU (`on_cpu`), run to its end (exit 0 asserted)."""
+    run = run_main_ppo(on_cpu(out, assets, versions, override), assets["root"] / log, timeout_s=1000,
                        switch=VLLM_RECIPE_SWITCH, entrypoint=ENTRYPOINT, cwd=verl_root())
     print(f"verl {FULLY_ASYNC.source} on floe ({log}): exit {run.returncode}, {run.seconds:.0f} s")
     assert run.returncode == 0, run.log[-6000:]

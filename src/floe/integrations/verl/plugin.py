@@ -343,19 +343,19 @@ class FloeWeightSync:
         forward); StateError if it has (new weights under an old step number)."""
         if global_steps is None:  # a re-wake with unchanged weights (verl's colocated reward path)
             return
+        info = self.client.info()  # verl's trainer does not step the policy during this call
         if self.offset is None:
-            self.offset = self.client.info().sampler_version + 1 - int(global_steps)
+            self.offset = info.sampler_version + 1 - int(global_steps)
             ray.get([s.set_version_offset.remote(self.offset) for r in self.replicas for s in r.servers])
         version = self.offset + int(global_steps)
         if version == self.version:
-            step = self.client.info().step
-            if step != self.synced_step:
+            if info.step != self.synced_step:
                 raise StateError(f"update_weights: verl step {global_steps} was synced at policy step "
-                                 f"{self.synced_step}, and the policy has stepped since (now {step}): new weights "
-                                 "need a new step number")
+                                 f"{self.synced_step}, and the policy has stepped since (now {info.step}): new "
+                                 "weights need a new step number")
             return
         self.version = self.client.sync_weights(version=version).version
-        self.synced_step = self.client.info().step
+        self.synced_step = info.step
         self.calls += 1
 
     def sleep_replicas(self) -> None:
