@@ -10,7 +10,11 @@
   two-frame message per rank, `[topic, msgpack list[MicroBatch]]`, in step order; messages carry
   no step number, so steps are counted from the first one received. floe's trainer is every rank
   at once: it subscribes to and announces all `ranks`, and announces them only once its SUB socket
-  has connected, so READY cannot overtake the subscription.
+  has connected, so READY cannot overtake the subscription. It connects only once both ports
+  accept connections (`wait_listening`): zmq retries a connect to a port nobody listens on every
+  100 ms, each try from a new ephemeral port, and when the port lies in the kernel's ephemeral
+  range one try can be given that very port and connect to itself (TCP self-connect), which holds
+  the port and the orchestrator's bind then fails with "Address already in use".
 
 Both give `receive(step) -> list[MicroBatch]` (every rank's micro-batches of that step, rank 0
 first) and raise StateError naming what did not arrive within `wait_timeout_s`.
@@ -18,6 +22,7 @@ first) and raise StateError naming what did not arrive within `wait_timeout_s`.
 
 from __future__ import annotations
 
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,15 +107,22 @@ class ZmqReceiver:
         self._monitor = self._sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         for rank in range(ranks):
             self._sub.setsockopt(zmq.SUBSCRIBE, self._topic(rank))
-        self._sub.connect(self.endpoint)
         self._ready = self._context.socket(zmq.PUSH)
         self._ready.setsockopt(zmq.SNDHWM, transport.hwm)
-        self._ready.connect(f"tcp://{transport.host}:{transport.port + 1}")
+        self._transport = transport
         self._announced = False
         self._pending: dict[int, list[list[MicroBatch]]] = {r: [] for r in range(ranks)}
 
     def _announce(self, deadline: float | None) -> None:
-        """Wait for the SUB socket's handshake with the orchestrator's PUB, then push every rank's READY."""
+        """Wait for the orchestrator's two sockets to listen, connect to them, wait for the SUB socket's
+        handshake with the PUB, then push every rank's READY."""
+        host, port = self._transport.host, self._transport.port
+        for p in (port, port + 1):
+            if not wait_listening(host, p, deadline):
+                raise StateError(f"waited {self.wait_timeout_s:g} s for the orchestrator to listen on tcp://{host}:{p} "
+                                 "(its rollout sockets); is it running with the same rollout_transport?")
+        self._sub.connect(self.endpoint)
+        self._ready.connect(f"tcp://{host}:{port + 1}")
         while not self._monitor.poll(1000 if deadline is None else max(1, int((deadline - time.monotonic()) * 1000))):
             if deadline is not None and time.monotonic() >= deadline:
                 raise StateError(f"waited {self.wait_timeout_s:g} s to connect to the orchestrator's rollout "
@@ -154,6 +166,27 @@ class ZmqReceiver:
         self._sub.close(linger=0)
         self._ready.close(linger=0)
         self._context.term()
+
+
+def is_self_connection(sock: socket.socket) -> bool:
+    """Whether a connected TCP socket is connected to itself (local and peer address the same)."""
+    return sock.getsockname() == sock.getpeername()
+
+
+def wait_listening(host: str, port: int, deadline: float | None, poll_s: float = 0.1) -> bool:
+    """Poll `host:port` with plain TCP connects every `poll_s` until one reaches a listener (True) or
+    `deadline` (time.monotonic(); None: no limit) passes (False). A probe that connected to itself
+    (module doc) is closed at once, which frees the port again, and does not count."""
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=1.0) as probe:
+                if not is_self_connection(probe):
+                    return True
+        except OSError:
+            pass
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
 
 
 def open_receiver(transport: FileSystemTransport | ZmqTransport, run_dir: Path, ranks: int, poll_s: float,
