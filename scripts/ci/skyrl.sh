@@ -28,4 +28,4 @@ install_floe test
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export WANDB_MODE=disabled
 export CUDA_VISIBLE_DEVICES=
-run_suite "$VENV/bin/python" -m pytest -q -m skyrl tests/integrations/skyrl "$@"
+run_suite "$VENV/bin/python" -m pytest -q "${XDIST[@]}" -m skyrl tests/integrations/skyrl "$@"

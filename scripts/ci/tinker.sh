@@ -25,4 +25,4 @@ install_floe test
 
 export TINKER_TELEMETRY=0 HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 # test_tinker_registry.py: raw-HTTP registry bounds, a server per test (kept out of the core suite's 10 minutes)
-run_suite "$VENV/bin/python" -m pytest -q -m tinker tests/tinker tests/server/test_tinker_registry.py "$@"
+run_suite "$VENV/bin/python" -m pytest -q "${XDIST[@]}" -m tinker tests/tinker tests/server/test_tinker_registry.py "$@"

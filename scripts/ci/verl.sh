@@ -31,4 +31,4 @@ PYEOF
 # Two cores shared: keep torch to few threads in every process verl starts. The whole suite
 # runs under an outer timeout as well (each verl run has its own).
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-run_suite timeout -k 60 2700 "$VENV/bin/python" -m pytest -q -s -m verl tests/integrations/verl "$@"
+run_suite timeout -k 60 2700 "$VENV/bin/python" -m pytest -q "${XDIST[@]}" -m verl tests/integrations/verl "$@"
