@@ -29,6 +29,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_pair() -> int:
+    """A free port whose next port is free too (prime-rl's zmq transport binds port and port + 1)."""
+    while True:
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
+
+
 def write_config(path: Path, model: Path, state_dir: Path, server: str = "") -> Path:
     path.write_text(f'[backend]\nmodel = "{model}"\nstate_dir = "{state_dir}"\nseed = 0\n\n[server]\n{server}\n')
     return path

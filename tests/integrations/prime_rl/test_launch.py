@@ -30,7 +30,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -39,7 +38,7 @@ import pytest
 
 from floe.models import make_tiny
 from tests.integrations.prime_rl.test_prime_rl_schedule import prime_rl_root
-from tests.server.conftest import free_port
+from tests.server.conftest import free_port, free_port_pair
 
 pytestmark = [pytest.mark.prime_rl, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[3]
@@ -84,7 +83,7 @@ def command(tmp: Path, recipe: str, *extra: str, seq_len: int = 256) -> tuple[li
             "--orchestrator.train.filter-zero-advantages", "false",
             "--orchestrator.model.client.base-url", f"http://127.0.0.1:{free_port()}/v1",
             "--orchestrator.env-server-base-port", str(free_port()),
-            "--rollout-transport.type", "zmq", "--rollout-transport.port", str(zmq_port()),
+            "--rollout-transport.type", "zmq", "--rollout-transport.port", str(free_port_pair()),
             "--output-dir", str(tmp / "outputs"), *extra]
     return args, env
 
@@ -93,18 +92,6 @@ def write_rows(directory: Path, rows: list[dict]) -> None:
     """A local dataset directory of that hub id (datasets' load_dataset reads it offline)."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-
-
-def zmq_port() -> int:
-    """A free port whose next port (prime-rl's zmq READY socket) is free too."""
-    while True:
-        port = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
 
 
 def launch(tmp: Path, recipe: str, *extra: str, timeout_s: float = 800, seq_len: int = 256) -> subprocess.CompletedProcess[str]:

@@ -19,7 +19,7 @@ import zmq
 from floe.errors import StateError
 from floe.integrations.prime_rl.formats import MicroBatch
 from floe.integrations.prime_rl.transport import ZmqReceiver, ZmqTransport, is_self_connection, wait_listening
-from tests.server.conftest import free_port
+from tests.server.conftest import free_port, free_port_pair
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -52,19 +52,8 @@ def test_wait_listening_returns_when_a_listener_appears_and_gives_up_at_the_dead
             s.close()
 
 
-def _two_free_ports() -> int:
-    while True:
-        port = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
-
-
 def test_the_receiver_waits_for_an_orchestrator_that_binds_late_and_names_the_port_when_none_does() -> None:
-    port = _two_free_ports()
+    port = free_port_pair()
     receiver = ZmqReceiver(ZmqTransport(host="127.0.0.1", port=port), ranks=1, wait_timeout_s=1.0)
     try:
         with pytest.raises(StateError, match=f"listen on tcp://127.0.0.1:{port} "):

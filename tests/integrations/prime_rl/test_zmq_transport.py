@@ -6,7 +6,6 @@ names the missing rank when a step does not come."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 from floe.errors import StateError
 from floe.integrations.prime_rl.formats import MicroBatch
 from floe.integrations.prime_rl.transport import ZmqReceiver, ZmqTransport
-from tests.server.conftest import free_port
+from tests.server.conftest import free_port_pair
 
 pytestmark = [pytest.mark.prime_rl, pytest.mark.timeout(300)]
 
@@ -32,22 +31,11 @@ def _prime_micro_batch(step: int, rank: int, n: int):
                            seq_lens=[len(tokens)], rl_weights=[1.0] * len(tokens))
 
 
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def test_prime_rl_zmq_sender_to_floe_receiver(tmp_path: Path) -> None:
     from prime_rl.configs.shared import ZMQTransportConfig
     from prime_rl.transports.rollouts import setup_micro_batch_sender
 
-    port = free_port()
-    while not _free(port + 1):  # the READY socket is port + 1
-        port = free_port()
+    port = free_port_pair()  # the READY socket is port + 1
     prime_cfg = ZMQTransportConfig(host="127.0.0.1", port=port)
     ours = ZmqTransport(host="127.0.0.1", port=port)
     grids = {step: [[_prime_micro_batch(step, r, n) for n in range(2)] for r in range(2)] for step in (1, 2, 3)}
