@@ -70,9 +70,9 @@ install_floe() {
 # XDIST: pytest's arguments for two pytest-xdist workers, one test file each at a time (a module's
 # fixtures built once), as `make test` runs the core suite. For the suites whose runs mostly wait on
 # process start-ups, imports and servers: one verl stock-recipe run keeps 1.15 of the 2 cores busy
-# on average. Measured here, one suite alone, one worker -> two: verl 850 -> ~650 s, tinker
-# 334 -> 211 s, SkyRL 307 -> 250 s (README "## Tests"). Not prime-rl: its two long runs share one
-# file (203 s either way). Not `--dist loadgroup`: pytest 9.2 no longer reads the node ids that
+# on average. pytest's clock, one worker -> two: verl 805-878 -> 613 s, tinker 334 -> 196 s, SkyRL
+# 307 -> 263 s (README "## Tests"). Not prime-rl: its two long runs share one file (203 s either
+# way); not Ray: CPU-bound (384 s against 382-417 s). Not `--dist loadgroup`: pytest 9.2 no longer reads the node ids that
 # xdist 3.8 rewrites for its xdist_group marks, so the marks group nothing.
 XDIST=(-n 2 --dist loadfile)
 
