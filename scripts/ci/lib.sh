@@ -72,8 +72,8 @@ install_floe() {
 # process start-ups, imports and servers: one verl stock-recipe run keeps 1.15 of the 2 cores busy
 # on average. pytest's clock, one worker -> two: verl 805-878 -> 613 s, tinker 334 -> 196 s, SkyRL
 # 307 -> 263 s (README "## Tests"). Not prime-rl: its two long runs share one file (203 s either
-# way); not Ray: CPU-bound (384 s against 382-417 s). Not `--dist loadgroup`: pytest 9.2 no longer reads the node ids that
-# xdist 3.8 rewrites for its xdist_group marks, so the marks group nothing.
+# way); not Ray: CPU-bound (384 s against 382-417 s). Not `--dist loadgroup`: pytest 9.2 no
+# longer reads the node ids that xdist 3.8 rewrites for its xdist_group marks, so they group nothing.
 XDIST=(-n 2 --dist loadfile)
 
 # run_suite COMMAND...: run the stack's pytest command and say how long it took.
