@@ -13,9 +13,9 @@ train: setup
 
 # Two pytest-xdist workers, one test file each at a time (module fixtures built once): the
 # suite's own process uses about one core (subprocess and server start-ups, waits), so the
-# second core is used; README "## Tests" has the numbers.
+# second core is used; README "## Tests" has the numbers. The ten slowest tests are listed.
 test: setup
-	.venv/bin/python -m pytest -q -n 2 --dist loadfile
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile --durations=10
 
 lint: setup
 	.venv/bin/ruff check src tests benchmarks docs/examples

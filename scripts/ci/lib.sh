@@ -76,10 +76,11 @@ install_floe() {
 # longer reads the node ids that xdist 3.8 rewrites for its xdist_group marks, so they group nothing.
 XDIST=(-n 2 --dist loadfile)
 
-# run_suite COMMAND...: run the stack's pytest command and say how long it took.
+# run_suite COMMAND...: run the stack's pytest command, its ten slowest tests listed (where CI's
+# time goes), and say how long it took.
 run_suite() {
   local start
   start=$(date +%s)
-  "$@"
+  "$@" --durations=10
   echo "$STACK.sh: suite took $(( $(date +%s) - start )) s"
 }

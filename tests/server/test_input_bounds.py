@@ -1,7 +1,10 @@
 """Input bounds, attacked on a real `floe serve` (loopback, tiny model, two Tinker tenants and an
 operator token): the security review's F1 (unbounded stop strings held the shared sampler),
-F2 (`target_prompt_logprobs` with a huge K allocated rows x K int64), and F5 (requests that got a
-500, or a request id and a failure only inside the future, instead of a 4xx naming the field).
+F2 (`target_prompt_logprobs` with a huge K allocated rows x K int64), F5 (requests that got a
+500, or a request id and a failure only inside the future, instead of a 4xx naming the field),
+and a later review's two: a refused JSON training request held its seq_id (the next request
+waited the gap timeout), and a published checkpoint carried its owner's run metadata to the
+key that loaded it.
 
 Each request here is the reviewer's attack sent as raw HTTP; every refusal must come at once,
 name the field, and leave the server answering."""
@@ -191,6 +194,56 @@ def test_forward_backward_with_partial_values_is_refused_and_skipped(server: Ser
     assert "raw" in done and time.monotonic() - start < GAP_S / 2
 
 
+def test_every_refused_training_request_is_skipped(server: ServerProcess) -> None:
+    """The security review's sequencing finding: a JSON training request refused before it is
+    queued held its seq_id, so the client's next request waited sequence_timeout_s for it. Each
+    kind, refused in turn (422, or 404 for a checkpoint that does not exist), then the next
+    request runs at once."""
+    alice = Tenant(server.url, KEY_A)
+    run = alice.run(server.model, alice.session())  # type: ignore[attr-defined]
+    refusals = [
+        ("/optim_step", {"adam_params": {"learning_rate": 5.0}}, "adam_params.learning_rate", 422),
+        ("/save_weights", {"path": "../escape"}, "path", 422),
+        ("/save_weights_for_sampler", {"path": "w", "ttl_seconds": 1}, "ttl_seconds", 422),
+        ("/save_weights_external", {"path": "a/b"}, "path", 422),
+        ("/load_weights", {"path": f"tinker://{run}/weights/missing", "optimizer": True}, "path", 404),
+    ]
+    for seq, (route, body, field, status) in enumerate(refusals, start=1):
+        _refused(alice.post(route, {"model_id": run, "seq_id": seq, **body}), field, status)
+    start = time.monotonic()
+    done = alice.result(alice.post("/save_weights_for_sampler", {"model_id": run, "seq_id": len(refusals) + 1,
+                                                                 "path": "after"}))
+    assert done["path"].endswith("/sampler_weights/after") and time.monotonic() - start < GAP_S / 2
+    # A refusal of another key's run skips nothing of it: B is answered 404 and A's next seq_id still counts.
+    bob = Tenant(server.url, KEY_B)
+    _refused(bob.post("/optim_step", {"model_id": run, "seq_id": len(refusals) + 2, "adam_params": {"learning_rate": 5.0}}),
+             "model_id", 404)
+    done = alice.result(alice.post("/save_weights", {"model_id": run, "seq_id": len(refusals) + 2, "path": "two"}))
+    assert done["path"].endswith("/weights/two")
+
+
+def test_a_published_checkpoint_loads_without_its_owners_run_metadata(server: ServerProcess) -> None:
+    """The security review's metadata finding: a run loaded from another key's published
+    checkpoint took the saved run's user_metadata (the owner's: project names, keys)."""
+    alice, bob = Tenant(server.url, KEY_A), Tenant(server.url, KEY_B)
+    secret = {"wandb_api_key": "ALICE-PRIVATE", "project": "alice-project"}
+    out = alice.result(alice.post("/create_model", {"session_id": alice.session(), "model_seq_id": 0,
+                                                    "base_model": str(server.model),  # type: ignore[attr-defined]
+                                                    "lora_config": {"rank": 2, "seed": 0}, "user_metadata": secret}))
+    run = out["model_id"]
+    path = alice.save(run, "pub", seq=1)["path"]
+    assert alice.http.post(f"/training_runs/{run}/checkpoints/weights/pub/publish").status_code == 200
+    loaded = {}
+    for name, tenant in (("alice", alice), ("bob", bob)):
+        session = tenant.session()
+        out = tenant.result(tenant.post("/load_weights", {"session_id": session, "model_seq_id": 0, "path": path,
+                                                          "optimizer": True}))
+        info = tenant.http.get(f"/training_runs/{out['model_id']}")
+        assert info.status_code == 200, info.text
+        loaded[name] = info.json()["user_metadata"]
+    assert loaded["alice"] == secret and not loaded["bob"]
+
+
 # -- F5b: lone surrogates in text ----------------------------------------------------------------------
 
 
@@ -220,6 +273,47 @@ def test_a_lone_surrogate_in_a_tinker_field_is_refused(server: ServerProcess) ->
     r = httpx.post(server.url + "/api/v1/create_session", headers={"X-API-Key": KEY_A, "content-type": "application/json"},
                    content=b'{"tags":["\\ud800"],"user_metadata":null,"sdk_version":"0.38.0"}')
     assert "surrogate" in _refused(r, "tags[0]", status=r.status_code) and 400 <= r.status_code < 500
+
+
+# -- duplicate keys: which value was meant is ambiguous -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("route", "raw"),
+    [
+        ("/api/v1/create_session", b'{"tags":[],"user_metadata":null,"sdk_version":"0.38.0","tags":["x"]}'),
+        ("/oai/api/v1/completions", b'{"model":"M","prompt":"ab","max_tokens":2,"max_tokens":3}'),
+        ("/v1/completions", b'{"prompt":"ab","max_tokens":2,"stop":[],"max_tokens":3}'),
+        ("/v1/chat/completions", b'{"messages":[{"role":"user","content":"a","role":"system"}],"max_tokens":2}'),
+        ("/inference/v1/generate", b'{"token_ids":[1,2],"sampling_params":{"max_tokens":2,"max_tokens":3}}'),
+    ],
+)
+def test_a_key_named_twice_in_a_json_object_is_refused(server: ServerProcess, route: str, raw: bytes) -> None:
+    headers = {"X-API-Key": KEY_A} if route.startswith("/api/v1") else TENANT_A if route.startswith("/oai") else OPERATOR
+    raw = raw.replace(b'"M"', json.dumps(str(server.model)).encode())  # type: ignore[attr-defined]
+    r = httpx.post(server.url + route, headers={**headers, "content-type": "application/json"}, content=raw, timeout=60)
+    assert r.status_code in (400, 422), (r.status_code, r.text[:300])
+    assert "twice" in r.text, r.text[:300]
+    # The same body with the key once is served.
+    once = json.dumps(json.loads(raw)).encode()  # Python's parser keeps the last value
+    ok = httpx.post(server.url + route, headers={**headers, "content-type": "application/json"}, content=once, timeout=60)
+    assert ok.status_code == 200, (route, ok.status_code, ok.text[:300])
+
+
+def test_a_key_named_twice_in_a_native_message_is_refused(server: ServerProcess) -> None:
+    control = '{"v": 1, "op": "sample", "args": {"n": 1, "n": 2}}'
+    head = {"__metadata__": {"floe": control},
+            "prompt": {"dtype": "I32", "shape": [3], "data_offsets": [0, 12]},
+            "prompt.lengths": {"dtype": "I64", "shape": [1], "data_offsets": [12, 20]}}
+    data = np.asarray([1, 2, 3], np.int32).tobytes() + np.asarray([3], np.int64).tobytes()
+    for header in (json.dumps(head), json.dumps(head)[:-1] + ', "prompt": {"dtype": "I32", "shape": [0], '
+                   '"data_offsets": [0, 0]}}'):
+        raw = header.encode()
+        raw += b" " * (-len(raw) % 8)
+        r = httpx.post(server.url + "/api/sample", headers=OPERATOR, timeout=60,
+                       content=struct.pack("<Q", len(raw)) + raw + data)
+        assert r.status_code == 400 and "twice" in r.json()["message"], (r.status_code, r.text[:300])
+    assert _native(server, "sample", {"n": 1, "params": {"max_tokens": 2}}, PROMPT).status_code == 200
 
 
 # -- F5c: native wire, an empty tensor with a huge dimension ---------------------------------------

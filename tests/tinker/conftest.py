@@ -72,3 +72,23 @@ def tinker_server(tmp_path: Path, tinker_model: Path):
     yield start
     for s in servers:
         s.stop(signal.SIGKILL)
+
+
+@pytest.fixture
+def tinker_service(tinker_server):
+    """Factory: `tinker.ServiceClient(base_url=url, api_key=api_key)`, as an SDK user makes one.
+    Each is closed at teardown with `close("success")`, which finishes its session while its
+    server still runs (this fixture depends on `tinker_server`, so it is torn down first): no
+    client's heartbeat thread outlives its test and logs into later ones."""
+    clients = []
+
+    def open_client(url: str, api_key: str = API_KEY):
+        import tinker  # noqa: PLC0415 - the SDK exists only in the tinker environment
+
+        client = tinker.ServiceClient(base_url=url, api_key=api_key)
+        clients.append(client)
+        return client
+
+    yield open_client
+    for client in clients:
+        client.close("success").result(timeout=60)

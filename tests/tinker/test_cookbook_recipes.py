@@ -104,13 +104,14 @@ def _preference(server, model_path: str | None, base_model: str, heads: list[lis
     import tinker  # noqa: PLC0415
     from tinker import types  # noqa: PLC0415
 
-    service = tinker.ServiceClient(base_url=server.url)
-    sampler = (service.create_sampling_client(model_path=model_path) if model_path
-               else service.create_sampling_client(base_model=base_model)).result()
-    gaps = []
-    for head in heads:
-        one, two = (sampler.compute_logprobs(types.ModelInput.from_ints([*head, t])).result()[-1] for t in (good, bad))
-        gaps.append(one - two)
+    with tinker.ServiceClient(base_url=server.url) as service:  # its session finished on the way out
+        sampler = (service.create_sampling_client(model_path=model_path) if model_path
+                   else service.create_sampling_client(base_model=base_model)).result()
+        gaps = []
+        for head in heads:
+            one, two = (sampler.compute_logprobs(types.ModelInput.from_ints([*head, t])).result()[-1]
+                        for t in (good, bad))
+            gaps.append(one - two)
     return sum(gaps) / len(gaps)
 
 

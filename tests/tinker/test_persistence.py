@@ -161,8 +161,8 @@ def test_rest_surface_listings_download_ttl_publish_and_errors(tinker_server, ti
     with pytest.raises(tinker.NotFoundError, match="no checkpoint"):
         service.create_training_client_from_state(short).result()
 
-    # Publish: another key loads a published checkpoint (and gets its weights), not an
-    # unpublished one, and never sees the owner's runs.
+    # Publish: another key loads a published checkpoint (and gets its weights, not the owner's
+    # run metadata), not an unpublished one, and never sees the owner's runs.
     other, other_rest = _clients(server.url, OTHER_KEY)
     with pytest.raises(tinker.NotFoundError):
         other.create_training_client_from_state(state).result()
@@ -171,6 +171,9 @@ def test_rest_surface_listings_download_ttl_publish_and_errors(tinker_server, ti
     assert {c.tinker_path: c.public for c in rest.list_checkpoints(run).result().checkpoints}[state] is True
     loaded = other.create_training_client_from_state(state).result()
     assert _scores(loaded.save_weights_and_get_sampling_client().result()) == pytest.approx(scores, abs=1e-6)
+    assert not other_rest.get_training_run(loaded.model_id).result().user_metadata
+    mine = service.create_training_client_from_state(state).result()  # the owner's own load keeps it
+    assert rest.get_training_run(mine.model_id).result().user_metadata == {"renderer_name": "role_colon"}
     assert [r.training_run_id for r in other_rest.list_training_runs().result().training_runs] == [loaded.model_id]
     with pytest.raises(tinker.NotFoundError):
         other_rest.list_checkpoints(run).result()

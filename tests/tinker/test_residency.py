@@ -217,8 +217,9 @@ def test_long_operations_wait_quietly(servers, caplog: pytest.LogCaptureFixture)
                              sampling_params=types.SamplingParams(max_tokens=600, seed=1, stop=[])).result()
     service.close("success").result()
     assert [len(s.tokens) for s in out.sequences] == [600] * 64
-    # Heartbeat warnings are left out: an earlier test's ServiceClient whose server has stopped
-    # keeps heartbeating from its SDK thread and logs into this test's records.
+    # Heartbeat warnings are left out: the tests close their ServiceClients (conftest's
+    # tinker_service), but a cookbook recipe that makes its own and never closes it (rl_loop.py)
+    # keeps heartbeating to its stopped server from an SDK thread, into this test's records.
     noisy = [r.getMessage() for r in caplog.records if r.name.startswith("tinker") and r.levelno >= logging.WARNING
              and "Session heartbeat failed" not in r.getMessage()]
     assert noisy == []

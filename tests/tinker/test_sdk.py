@@ -36,17 +36,12 @@ def _native_batch(seqs=SEQS, weights=WEIGHTS) -> floe.Batch:
                        for s, w in zip(seqs, weights)])
 
 
-def _service(base_url: str):
-    import tinker  # noqa: PLC0415 - the SDK exists only in the tinker environment
 
-    return tinker.ServiceClient(base_url=base_url, api_key=API_KEY)
-
-
-def test_plain_sdk_script_equals_floe_native(tinker_server, tinker_model: Path, tmp_path: Path) -> None:
+def test_plain_sdk_script_equals_floe_native(tinker_server, tinker_service, tinker_model: Path, tmp_path: Path) -> None:
     from tinker import types  # noqa: PLC0415
 
     server = tinker_server("tinker_chunk_datums = 2")  # 5 datums -> 3 chunks, sent out of order
-    service = _service(server.url)
+    service = tinker_service(server.url)
     training = service.create_lora_training_client(base_model=str(tinker_model), rank=4, seed=7).result()
     fb_future = training.forward_backward(_datums(types), "cross_entropy")
     step_future = training.optim_step(types.AdamParams(**ADAM))
@@ -101,15 +96,15 @@ def _adapter(state_dir: Path, path: str) -> dict[str, torch.Tensor]:
     return load_file(str(state_dir / ".tinker" / "runs" / run / kind / name / "adapter_model.safetensors"))
 
 
-def test_two_runs_trained_concurrently_equal_each_trained_alone(tinker_server, tinker_model: Path) -> None:
+def test_two_runs_trained_concurrently_equal_each_trained_alone(tinker_server, tinker_service, tinker_model: Path) -> None:
     server = tinker_server()
     data = {1: SEQS[:3], 2: SEQS[2:]}
-    alone = {seed: _adapter(server.state_dir, _train(_service(server.url), tinker_model, seed, data[seed], 3))
+    alone = {seed: _adapter(server.state_dir, _train(tinker_service(server.url), tinker_model, seed, data[seed], 3))
              for seed in (1, 2)}
     together: dict[int, str] = {}
 
     def worker(seed: int) -> None:
-        together[seed] = _train(_service(server.url), tinker_model, seed, data[seed], 3)
+        together[seed] = _train(tinker_service(server.url), tinker_model, seed, data[seed], 3)
 
     threads = [threading.Thread(target=worker, args=(seed,)) for seed in (1, 2)]
     for t in threads:
@@ -127,14 +122,14 @@ def test_two_runs_trained_concurrently_equal_each_trained_alone(tinker_server, t
     assert not torch.equal(alone[1][key], alone[2][key])
 
 
-def test_exported_adapter_loads_in_peft_with_the_same_logprobs(tinker_server, tinker_model: Path) -> None:
+def test_exported_adapter_loads_in_peft_with_the_same_logprobs(tinker_server, tinker_service, tinker_model: Path) -> None:
     from peft import PeftModel  # noqa: PLC0415
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
     from tinker import types  # noqa: PLC0415
 
     server = tinker_server()
-    service = _service(server.url)
+    service = tinker_service(server.url)
     path = _train(service, tinker_model, 3, SEQS, 2)
     sampler = service.create_sampling_client(model_path=path).result()
     scored = sampler.compute_logprobs(types.ModelInput.from_ints(SEQS[2])).result()
@@ -152,12 +147,12 @@ def test_exported_adapter_loads_in_peft_with_the_same_logprobs(tinker_server, ti
     assert not math.isclose(float(base_logp[0, SEQS[2][1]]), naive[0], abs_tol=1e-4)  # trained, not the base
 
 
-def test_errors_reach_the_sdk_as_clear_failures(tinker_server, tinker_model: Path) -> None:
+def test_errors_reach_the_sdk_as_clear_failures(tinker_server, tinker_service, tinker_model: Path) -> None:
     import tinker  # noqa: PLC0415
     from tinker import types  # noqa: PLC0415
 
     server = tinker_server(f'tinker_api_keys = ["{API_KEY}"]')
-    service = _service(server.url)
+    service = tinker_service(server.url)
     with pytest.raises(Exception, match=str(tinker_model)) as wrong_model:
         service.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4).result()
     assert "base_model" in str(wrong_model.value)
@@ -177,7 +172,7 @@ def test_errors_reach_the_sdk_as_clear_failures(tinker_server, tinker_model: Pat
         bad_key.create_lora_training_client(base_model=str(tinker_model), rank=4).result()
 
 
-def test_forward_backward_custom_applies_the_gradient_of_the_client_side_loss(tinker_server, tinker_model: Path,
+def test_forward_backward_custom_applies_the_gradient_of_the_client_side_loss(tinker_server, tinker_service, tinker_model: Path,
                                                                                tmp_path: Path) -> None:
     """The SDK's forward_backward_custom (forward, the loss and its gradient on the client, then a
     backward with signed per-token weights) moves the adapter exactly as autograd on a plain
@@ -189,7 +184,7 @@ def test_forward_backward_custom_applies_the_gradient_of_the_client_side_loss(ti
     from tinker import types  # noqa: PLC0415
 
     server = tinker_server("tinker_chunk_datums = 2")  # 5 datums: 3 forward chunks, then 3 backward chunks
-    service = _service(server.url)
+    service = tinker_service(server.url)
     training = service.create_lora_training_client(base_model=str(tinker_model), rank=4, seed=7).result()
     init = training.save_weights_for_sampler("init").result().path
     datums = [types.Datum(model_input=types.ModelInput.from_ints(s[:-1]), loss_fn_inputs={"target_tokens": s[1:]})
@@ -235,7 +230,7 @@ def test_forward_backward_custom_applies_the_gradient_of_the_client_side_loss(ti
     assert after.endswith("/after")
 
 
-def test_full_finetune_setting_trains_the_whole_model_through_the_sdk(tinker_server, tinker_model: Path,
+def test_full_finetune_setting_trains_the_whole_model_through_the_sdk(tinker_server, tinker_service, tinker_model: Path,
                                                                       tmp_path: Path) -> None:
     """`[server] tinker_full_finetune = true`: the SDK's training client trains every weight (values
     equal floe's native full run), samples with them, saves / loads them and exports a plain HF
@@ -245,7 +240,7 @@ def test_full_finetune_setting_trains_the_whole_model_through_the_sdk(tinker_ser
     from tinker import types  # noqa: PLC0415
 
     server = tinker_server("tinker_full_finetune = true")
-    service = _service(server.url)
+    service = tinker_service(server.url)
     training = service.create_lora_training_client(base_model=str(tinker_model), rank=4, seed=7).result()
     assert training.get_info().is_lora is False
     with pytest.raises(Exception, match="tinker_full_finetune"):

@@ -32,11 +32,6 @@ GSPO_DATA = [
 ]
 
 
-def _service(base_url: str):
-    import tinker  # noqa: PLC0415 - the SDK exists only in the tinker environment
-
-    return tinker.ServiceClient(base_url=base_url, api_key=API_KEY)
-
 
 def _gspo_inputs(base_lp: list[float], start: int, adv: list[float], masked: bool) -> dict[str, list[float]]:
     """Cookbook-shaped RL inputs: zeros on the prompt, sampler log-probs off the current ones."""
@@ -48,11 +43,11 @@ def _gspo_inputs(base_lp: list[float], start: int, adv: list[float], masked: boo
     return inputs
 
 
-def test_gspo_through_the_sdk_equals_floe_native(tinker_server, tinker_model: Path, tmp_path: Path) -> None:
+def test_gspo_through_the_sdk_equals_floe_native(tinker_server, tinker_service, tinker_model: Path, tmp_path: Path) -> None:
     from tinker import types  # noqa: PLC0415
 
     server = tinker_server()
-    service = _service(server.url)
+    service = tinker_service(server.url)
     training = service.create_lora_training_client(base_model=str(tinker_model), rank=4, seed=7).result()
     first = training.forward([types.Datum(model_input=types.ModelInput.from_ints(s[:-1]),
                                           loss_fn_inputs={"target_tokens": s[1:]}) for s, *_ in GSPO_DATA],
@@ -84,12 +79,12 @@ def test_gspo_through_the_sdk_equals_floe_native(tinker_server, tinker_model: Pa
     assert after[1:] == pytest.approx(runs.prompt_logprobs(runs.snapshot("native"), GSPO_DATA[0][0]), abs=1e-5)
 
 
-def test_refused_losses_and_fields_name_themselves(tinker_server, tinker_model: Path) -> None:
+def test_refused_losses_and_fields_name_themselves(tinker_server, tinker_service, tinker_model: Path) -> None:
     import tinker  # noqa: PLC0415
     from tinker import types  # noqa: PLC0415
 
     server = tinker_server()
-    training = _service(server.url).create_lora_training_client(base_model=str(tinker_model), rank=4).result()
+    training = tinker_service(server.url).create_lora_training_client(base_model=str(tinker_model), rank=4).result()
     rl = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
                      loss_fn_inputs={"target_tokens": [2, 3, 4], "logprobs": [-1.0] * 3, "advantages": [1.0] * 3})
     with pytest.raises(tinker.RequestFailedError, match=r"data\[0\].loss_fn_inputs.advantages.*no loss_fn_input_spans"):
@@ -105,12 +100,12 @@ def test_refused_losses_and_fields_name_themselves(tinker_server, tinker_model: 
     assert training.forward_backward([rl], "importance_sampling").result().metrics["loss:sum"] != 0
 
 
-def test_a_zero_learning_rate_steps_and_absurd_ones_change_nothing(tinker_server, tinker_model: Path) -> None:
+def test_a_zero_learning_rate_steps_and_absurd_ones_change_nothing(tinker_server, tinker_service, tinker_model: Path) -> None:
     import tinker  # noqa: PLC0415
     from tinker import types  # noqa: PLC0415
 
     server = tinker_server()
-    training = _service(server.url).create_lora_training_client(base_model=str(tinker_model), rank=4, seed=1).result()
+    training = tinker_service(server.url).create_lora_training_client(base_model=str(tinker_model), rank=4, seed=1).result()
     seq = [5, 9, 14, 20, 7, 33, 12]
     datum = types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]), loss_fn_inputs={"target_tokens": seq[1:]})
 
@@ -134,10 +129,39 @@ def test_a_zero_learning_rate_steps_and_absurd_ones_change_nothing(tinker_server
     assert step.metrics["step:max"] == 3.0 and scores() != pytest.approx(trained, abs=1e-4)
 
 
+@pytest.mark.filterwarnings("ignore:DEPRECATED.*load_state:FutureWarning")  # the SDK's load into a live run
+def test_a_refused_request_gives_up_its_place_in_the_sequence(tinker_server, tinker_service, tinker_model: Path) -> None:
+    """Each training request carries the next seq_id and runs in that order. One refused before
+    it is queued (its fields checked at once: 422, or 404 for a checkpoint that does not exist)
+    frees its seq_id, so the next request runs at once instead of waiting the gap timeout
+    (sequence_timeout_s, 600 s here: a held request would outlast each result's timeout)."""
+    import tinker  # noqa: PLC0415
+    from tinker import types  # noqa: PLC0415
+
+    server = tinker_server("sequence_timeout_s = 600\ntinker_min_ttl_s = 60\n")
+    training = tinker_service(server.url).create_lora_training_client(base_model=str(tinker_model), rank=4).result()
+    datum = types.Datum(model_input=types.ModelInput.from_ints([5, 9, 14]), loss_fn_inputs={"target_tokens": [9, 14, 20]})
+    refusals = [  # (the refused call, what its error names): one per kind of queued request
+        (lambda: training.optim_step(types.AdamParams(learning_rate=math.inf)), "adam_params.learning_rate"),
+        (lambda: training.save_state("../escape"), "path"),
+        (lambda: training.save_weights_for_sampler("w", ttl_seconds=1), "ttl_seconds"),
+        (lambda: training.load_state(f"tinker://{training.model_id}/weights/missing"), "no checkpoint"),
+        (lambda: training.forward_backward([types.Datum(model_input=types.ModelInput.from_ints([5, 10**6]),
+                                                        loss_fn_inputs={"target_tokens": [9, 14]})], "cross_entropy"),
+         "vocabulary"),
+    ]
+    for refused, field in refusals:
+        with pytest.raises(tinker.TinkerError, match=field):
+            refused().result(timeout=120)
+        # the next request of the sequence runs now (a held one would time out here)
+        assert training.forward_backward([datum], "cross_entropy").result(timeout=120).metrics["loss:sum"] > 0
+    assert training.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=120).metrics["step:max"] == 1.0
+
+
 PROMPT = [7, 12, 3, 44, 9, 21, 30, 5, 17, 40, 2, 33]
 
 
-def test_prompt_distributions_are_the_samplers(tinker_server, tinker_model: Path) -> None:
+def test_prompt_distributions_are_the_samplers(tinker_server, tinker_service, tinker_model: Path) -> None:
     """topk_prompt_logprobs (k = 20, the cookbook's sdft width) with prompt_logprobs_last_n,
     target_prompt_logprobs dense and sparse, prompt_alt_tokens_k: against a plain peft model with
     the sampler's adapter."""
@@ -147,7 +171,7 @@ def test_prompt_distributions_are_the_samplers(tinker_server, tinker_model: Path
     from tinker import types  # noqa: PLC0415
 
     server = tinker_server()
-    service = _service(server.url)
+    service = tinker_service(server.url)
     training = service.create_lora_training_client(base_model=str(tinker_model), rank=4, seed=2).result()
     seq = PROMPT[:8]
     training.forward_backward([types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]),

@@ -42,12 +42,13 @@ def _datum(prompt: list[int], sequence, advantage: float, client_logprobs: list[
     )
 
 
-def test_stable_reinforce_trains_on_the_recorded_logprobs(tinker_server, tinker_model: Path, tmp_path: Path) -> None:
+def test_stable_reinforce_trains_on_the_recorded_logprobs(tinker_server, tinker_service, tinker_model: Path,
+                                                          tmp_path: Path) -> None:
     import tinker  # noqa: PLC0415
     from tinker import types  # noqa: PLC0415
 
     server = tinker_server(f'tinker_api_keys = ["{API_KEY}", "{OTHER_KEY}"]')
-    service = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+    service = tinker_service(server.url, API_KEY)
     training = service.create_lora_training_client(base_model=str(tinker_model), rank=4, seed=5).result()
     sampler = training.save_weights_and_get_sampling_client(record_stability_info=True).result()
     params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=3)
@@ -84,13 +85,13 @@ def test_stable_reinforce_trains_on_the_recorded_logprobs(tinker_server, tinker_
     unrecorded = plain.sample(types.ModelInput.from_ints(PROMPT), num_samples=1, sampling_params=params).result()
     with pytest.raises(tinker.RequestFailedError, match=r"loss_fn_input_spans\[1\].sequence_id.*record_stability_info"):
         training.forward_backward([_datum(PROMPT, unrecorded.sequences[0], 1.0)], "stable_reinforce").result()
-    other = tinker.ServiceClient(base_url=server.url, api_key=OTHER_KEY)
+    other = tinker_service(server.url, OTHER_KEY)
     theirs = other.create_lora_training_client(base_model=str(tinker_model), rank=4).result()
     with pytest.raises(tinker.RequestFailedError, match="no stability info"):
         theirs.forward_backward([_datum(PROMPT, sequences[0], 1.0)], "stable_reinforce").result()
 
 
-def test_forward_returns_the_logprob_of_every_target(tinker_server, tinker_model: Path) -> None:
+def test_forward_returns_the_logprob_of_every_target(tinker_server, tinker_service, tinker_model: Path) -> None:
     """rl_loop.py's zero targets on the prompt, and arbitrary ones, are scored exactly (a new run
     is the base model: checked against a plain forward of it)."""
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
@@ -99,7 +100,7 @@ def test_forward_returns_the_logprob_of_every_target(tinker_server, tinker_model
     from tinker import types  # noqa: PLC0415
 
     server = tinker_server()
-    training = tinker.ServiceClient(base_url=server.url, api_key=API_KEY).create_lora_training_client(
+    training = tinker_service(server.url, API_KEY).create_lora_training_client(
         base_model=str(tinker_model), rank=4).result()
     tokens = PROMPT + [30, 31, 32]
     targets = [0, 0, 7, 0, 0, 30, 31, 32, 45]

@@ -145,16 +145,15 @@ def _status_of(call) -> int:
     return 0
 
 
-def test_a_sampler_on_a_checkpoint_ends_when_access_to_it_ends(tinker_server, tinker_model: Path) -> None:
+def test_a_sampler_on_a_checkpoint_ends_when_access_to_it_ends(tinker_server, tinker_service, tinker_model: Path) -> None:
     """B's sampling client on A's published sampler checkpoint stops when A unpublishes it (404,
     as for an unknown sampler, and it stays released after a re-publish); A's own sampler on it
     keeps sampling until A deletes the checkpoint; then both are refused (the weights are gone)."""
-    import tinker  # noqa: PLC0415
     from tinker import types  # noqa: PLC0415
 
     server = tinker_server(KEYS)
-    a = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
-    b = tinker.ServiceClient(base_url=server.url, api_key=OTHER_KEY)
+    a = tinker_service(server.url, API_KEY)
+    b = tinker_service(server.url, OTHER_KEY)
     training = a.create_lora_training_client(base_model=str(tinker_model), rank=4).result()
     datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs={"target_tokens": [2, 3, 4]})
     training.forward_backward([datum], "cross_entropy").result()
@@ -216,17 +215,16 @@ def test_token_ids_outside_the_vocabulary_are_refused_at_once_naming_the_request
         assert _answer(client, API_KEY, fine.json()["request_id"], polls=120).status_code == 200
 
 
-def test_the_sdk_waits_out_back_pressure_and_every_sample_arrives(tinker_server, tinker_model: Path) -> None:
+def test_the_sdk_waits_out_back_pressure_and_every_sample_arrives(tinker_server, tinker_service, tinker_model: Path) -> None:
     """With a small tinker_max_queued_per_key, a burst of SDK samples (more than the workers take
     at once) meets 429s, which the SDK treats as back-pressure: it pauses and sends again, and
     every sample arrives."""
     import asyncio  # noqa: PLC0415
 
-    import tinker  # noqa: PLC0415
     from tinker import types  # noqa: PLC0415
 
     server = tinker_server("tinker_max_queued_per_key = 2\n")
-    sampler = tinker.ServiceClient(base_url=server.url, api_key=API_KEY).create_sampling_client(
+    sampler = tinker_service(server.url, API_KEY).create_sampling_client(
         base_model=str(tinker_model)).result()
     params = types.SamplingParams(max_tokens=100, stop=[], seed=1)
 

@@ -27,6 +27,7 @@ from floe.errors import InvalidInput
 from floe.protocol.codecs import Tensors
 from floe.protocol.errors import WireError
 from floe.protocol.ops import get_op
+from floe.protocol.strict_json import unique_keys
 
 __all__ = [
     "CLIENT_HEADER", "MEDIA_TYPE", "REPLAYED_HEADER", "SEQ_HEADER", "VERSION", "Tensors", "WireError",
@@ -81,7 +82,9 @@ def unpack(body: bytes) -> tuple[dict[str, Any], Tensors]:
     if head_len > min(len(view) - 8, MAX_HEADER_BYTES):
         raise WireError("body", f"declares a {head_len}-byte header but has {len(view) - 8} bytes after the size")
     try:
-        header = json.loads(bytes(view[8 : 8 + head_len]).decode("utf-8"))
+        header = json.loads(bytes(view[8 : 8 + head_len]).decode("utf-8"), object_pairs_hook=unique_keys)
+    except InvalidInput as exc:
+        raise WireError("body", f"the safetensors header: {exc.message}") from None
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise WireError("body", "the safetensors header is not UTF-8 JSON") from None
     if not isinstance(header, dict):
@@ -90,7 +93,9 @@ def unpack(body: bytes) -> tuple[dict[str, Any], Tensors]:
     if not isinstance(meta, dict) or not isinstance(meta.get("floe"), str):
         raise WireError("body.__metadata__", "must hold the control JSON as a string under 'floe'")
     try:
-        control = json.loads(meta["floe"])
+        control = json.loads(meta["floe"], object_pairs_hook=unique_keys)
+    except InvalidInput as exc:
+        raise WireError("body.__metadata__.floe", exc.message) from None
     except (ValueError, RecursionError):
         raise WireError("body.__metadata__.floe", "is not valid JSON") from None
     if not isinstance(control, dict) or control.get("v") != VERSION:

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from floe.errors import InvalidInput
+from floe.protocol.strict_json import unique_keys
 
 __all__ = ["MAX_JSON_DEPTH", "json_depth", "parse_json_object"]
 
@@ -46,12 +47,12 @@ def _finite(text: str) -> float:
 def parse_json_object(raw: bytes, field: str = "body") -> dict[str, Any]:
     """A JSON object from a request body; InvalidInput(field) when it is not UTF-8 JSON, nests
     deeper than MAX_JSON_DEPTH, holds a non-finite number (`NaN`, `Infinity`, `1e400`; Python's
-    parser accepts them) or is not an object; InvalidInput naming the value's path (`prompt`,
+    parser accepts them), names a key twice in one object (strict_json) or is not an object; InvalidInput naming the value's path (`prompt`,
     `messages[0].content`) when a string holds a lone UTF-16 surrogate (`"\\ud800"`)."""
     if json_depth(raw) > MAX_JSON_DEPTH:
         raise InvalidInput(field, f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
     try:
-        data = json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
+        data = json.loads(raw, parse_constant=_no_constant, parse_float=_finite, object_pairs_hook=unique_keys)
     except InvalidInput as exc:
         raise InvalidInput(field, exc.message) from None
     except (UnicodeDecodeError, ValueError, RecursionError):

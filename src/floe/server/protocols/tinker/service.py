@@ -39,7 +39,8 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -273,6 +274,18 @@ class TinkerService:
                 self.sequencers[row.id] = seq
             return seq
 
+    @contextmanager
+    def _refusing(self, row: RunRow, seq_id: int | None) -> Iterator[None]:
+        """The checks of a request of `row`'s sequence that run before it is queued: a refusal
+        (InvalidInput, a 422 or 404) gives its seq_id up (Sequencer.skip), because the SDK moves on
+        to the next seq_id and that one must not wait the gap timeout for a request that never
+        comes. `row` is the caller's own run (resolved first), so nobody skips another's sequence."""
+        try:
+            yield
+        except InvalidInput:
+            self._sequencer(row).skip(seq_id)
+            raise
+
     def _run(self, who: Principal, model_id: Any) -> RunRow:
         row = self.store.run(model_id, who)
         self.store.update_run(row.id, last_request=time.time())
@@ -349,11 +362,8 @@ class TinkerService:
         except Exception as exc:  # noqa: BLE001 - any decode failure is the client's bad body
             raise InvalidInput("body", f"not a ForwardBackwardRequest protobuf: {type(exc).__name__}") from None
         row = self._run(who, request.model_id)
-        try:
+        with self._refusing(row, request.seq_id or None):
             convert.check_forward_tokens(request, self.bases[row.base].vocab_size)  # refused now, not in the future
-        except InvalidInput:
-            self._sequencer(row).skip(request.seq_id or None)  # the SDK moves on to the next seq_id
-            raise
         forward_only = request.forward_only
 
         def job() -> Reply:
@@ -397,7 +407,8 @@ class TinkerService:
 
     def optim_step(self, who: Principal, req: requests.OptimStep, digest: bytes) -> dict[str, Any]:
         row = self._run(who, req.model_id)
-        step = req.adam()  # types and ranges refused now, before the request is queued
+        with self._refusing(row, req.seq_id):
+            step = req.adam()  # types and ranges refused now, before the request is queued
 
         def job() -> Reply:
             with self.residency.run(row) as manager:
@@ -438,10 +449,11 @@ class TinkerService:
 
     def save_weights(self, who: Principal, req: requests.SaveWeights, digest: bytes) -> dict[str, Any]:
         row = self._run(who, req.model_id)
-        if req.path is None:
-            raise InvalidInput("path", "give the checkpoint a name (save_state(name))")
-        check_name(req.path, "path")
-        self.check_ttl(req.ttl_seconds)
+        with self._refusing(row, req.seq_id):
+            if req.path is None:
+                raise InvalidInput("path", "give the checkpoint a name (save_state(name))")
+            check_name(req.path, "path")
+            self.check_ttl(req.ttl_seconds)
 
         def job() -> Reply:
             directory = self._checkpoint_target(row, "weights", req.path, req.overwrite)  # type: ignore[arg-type]
@@ -455,11 +467,12 @@ class TinkerService:
 
     def save_weights_external(self, who: Principal, req: requests.SaveWeightsExternal, digest: bytes) -> dict[str, Any]:
         row = self._run(who, req.model_id)
-        check_name(req.path, "path")
-        self.check_ttl(req.ttl_seconds)
-        if req.age_encryption_recipients:
-            raise InvalidInput("age_encryption_recipients", "floe does not encrypt exports; the files stay on this server "
-                               "and download over your own connection")
+        with self._refusing(row, req.seq_id):
+            check_name(req.path, "path")
+            self.check_ttl(req.ttl_seconds)
+            if req.age_encryption_recipients:
+                raise InvalidInput("age_encryption_recipients", "floe does not encrypt exports; the files stay on this "
+                                   "server and download over your own connection")
 
         def job() -> Reply:
             directory = self._checkpoint_target(row, "external_weights", req.path, overwrite=False)
@@ -472,11 +485,12 @@ class TinkerService:
 
     def save_weights_for_sampler(self, who: Principal, req: requests.SaveWeightsForSampler, digest: bytes) -> dict[str, Any]:
         row = self._run(who, req.model_id)
-        self.check_ttl(req.ttl_seconds)
-        if req.path is not None:
-            check_name(req.path, "path")
-        elif req.sampling_session_seq_id is None:
-            raise InvalidInput("path", "give a name (path) or a sampling_session_seq_id")
+        with self._refusing(row, req.seq_id):
+            self.check_ttl(req.ttl_seconds)
+            if req.path is not None:
+                check_name(req.path, "path")
+            elif req.sampling_session_seq_id is None:
+                raise InvalidInput("path", "give a name (path) or a sampling_session_seq_id")
 
         def job() -> Reply:
             if req.path is not None:
@@ -499,42 +513,54 @@ class TinkerService:
         return {"request_id": self._sequencer(row).submit(req.seq_id, self.guarded(job), digest), "model_id": row.id}
 
     def load_weights(self, who: Principal, req: requests.LoadWeights, digest: bytes) -> dict[str, Any]:
+        if req.model_id is not None:  # into one of the caller's runs, in its sequence
+            row = self._run(who, req.model_id)
+            with self._refusing(row, req.seq_id):
+                ckpt, directory = self._loadable(who, req)
+                if ckpt.base != row.base:
+                    raise InvalidInput("path", f"the checkpoint was trained on {ckpt.base_model!r}; this run is on "
+                                       f"{row.base_model!r}")
+
+            def job() -> Reply:
+                with self.residency.run(row) as manager:
+                    run = manager.reload(row.id, directory, req.optimizer)
+                self.store.update_run(row.id, version=run.version)
+                return json_reply({"type": "load_weights", "path": req.path, "model_id": row.id})
+
+            return {"request_id": self._sequencer(row).submit(req.seq_id, self.guarded(job), digest), "model_id": row.id}
+
+        # create-via-load: a new run of the caller's session, starting from the checkpoint
+        ckpt, directory = self._loadable(who, req)
+        if req.session_id is None or req.model_seq_id is None:
+            raise InvalidInput("session_id", "give model_id, or session_id and model_seq_id (a new run)")
+        base_model = req.base_model if req.base_model is not None else ckpt.base_model
+        if self.base_key(base_model) != ckpt.base:
+            raise InvalidInput("base_model", f"the checkpoint was trained on {ckpt.base_model!r}, not {base_model!r}")
+        meta = (read_meta(directory) or {}).get("run") or {}
+        # The saved run's user_metadata is its owner's (it may hold their project names or keys): a
+        # run loaded from a checkpoint that another key published starts without it.
+        inherited = (meta.get("user_metadata") or {}) if ckpt.owner == who.id else {}
+
+        def create(row: RunRow) -> Reply:
+            manager = self.residency.manager(row.base)
+            run = manager.load_state(row.id, directory, req.optimizer)
+            self.residency.added_run(row.id, row.base)
+            self.store.update_run(row.id, version=run.version)
+            return json_reply({"type": "load_weights", "path": req.path, "model_id": row.id})
+
+        return self._new_run(who, req.session_id, req.model_seq_id, base_model, digest, meta.get("lora"),
+                             req.user_metadata if req.user_metadata is not None else inherited, create)
+
+    def _loadable(self, who: Principal, req: requests.LoadWeights) -> tuple[Checkpoint, Path]:
+        """The training state `req.path` names, which `who` may load (its own or a published
+        one), and its directory; InvalidInput (NotFound) otherwise."""
         if req.weights_access_token is not None:
             raise InvalidInput("weights_access_token", "floe has no cross-key access tokens: the checkpoint's owner "
                                "publishes it (tinker checkpoint publish), then any key may load it")
         if req.optimizer_config is not None and req.optimizer_config.type != "adamw":
             raise InvalidInput("optimizer_config.type", f"floe trains with adamw only, got {req.optimizer_config.type!r}")
         ckpt = self.store.checkpoint(req.path, who, kinds=("weights",))
-        directory = self.layout.checkpoint(ckpt.run_id, ckpt.kind, ckpt.name)
-        if req.model_id is None:  # create-via-load
-            if req.session_id is None or req.model_seq_id is None:
-                raise InvalidInput("session_id", "give model_id, or session_id and model_seq_id (a new run)")
-            base_model = req.base_model if req.base_model is not None else ckpt.base_model
-            if self.base_key(base_model) != ckpt.base:
-                raise InvalidInput("base_model", f"the checkpoint was trained on {ckpt.base_model!r}, not {base_model!r}")
-            meta = (read_meta(directory) or {}).get("run") or {}
-
-            def create(row: RunRow) -> Reply:
-                manager = self.residency.manager(row.base)
-                run = manager.load_state(row.id, directory, req.optimizer)
-                self.residency.added_run(row.id, row.base)
-                self.store.update_run(row.id, version=run.version)
-                return json_reply({"type": "load_weights", "path": req.path, "model_id": row.id})
-
-            return self._new_run(who, req.session_id, req.model_seq_id, base_model, digest, meta.get("lora"),
-                                 req.user_metadata if req.user_metadata is not None else meta.get("user_metadata") or {},
-                                 create)
-        row = self._run(who, req.model_id)
-        if ckpt.base != row.base:
-            raise InvalidInput("path", f"the checkpoint was trained on {ckpt.base_model!r}; this run is on {row.base_model!r}")
-
-        def job() -> Reply:
-            with self.residency.run(row) as manager:
-                run = manager.reload(row.id, directory, req.optimizer)
-            self.store.update_run(row.id, version=run.version)
-            return json_reply({"type": "load_weights", "path": req.path, "model_id": row.id})
-
-        return {"request_id": self._sequencer(row).submit(req.seq_id, self.guarded(job), digest), "model_id": row.id}
+        return ckpt, self.layout.checkpoint(ckpt.run_id, ckpt.kind, ckpt.name)
 
     # -- sampling ---------------------------------------------------------------------------
 
