@@ -14,7 +14,7 @@
 # (imported by the orchestrator) goes in without its CUDA-only nixl requirement.
 # The archives' hashes are part of the environment's hash, so a new snapshot rebuilds it.
 # The suite finds the unpacked prime-rl through the installed `prime_rl` package. It runs prime-rl's
-# real env server and orchestrator through `floe prime-rl` (tests/integrations/prime_rl/test_launch.py):
+# real env server and orchestrator through `floe prime-rl` (tests/integrations/prime_rl/test_launch*.py):
 # on this CPU machine they need import-only stand-ins for the GPU-only packages they import at module
 # load (scripts/prime_rl/cpu_stubs.sh, written into the environment's directory, never the checkout,
 # and put on those processes' PYTHONPATH only by the test; floe never installs them for users).
@@ -99,4 +99,4 @@ export FLOE_PRIME_RL_CPU_STUBS="$VENV/cpu-stubs"
 # Two cores shared: few threads; nothing reaches a hub; no W&B, no GPU.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled CUDA_VISIBLE_DEVICES=
-run_suite timeout -k 60 1800 "$VENV/bin/python" -m pytest -q -m prime_rl tests/integrations/prime_rl "$@"
+run_suite timeout -k 60 1800 "$VENV/bin/python" -m pytest -q "${XDIST[@]}" -m prime_rl tests/integrations/prime_rl "$@"
