@@ -71,9 +71,9 @@ install_floe() {
 # fixtures built once), as `make test` runs the core suite. For the suites whose runs mostly wait on
 # process start-ups, imports and servers: one verl stock-recipe run keeps 1.15 of the 2 cores busy
 # on average. pytest's clock, one worker -> two: verl 805-878 -> 613 s, tinker 334 -> 196 s, SkyRL
-# 307 -> 263 s (README "## Tests"). Not prime-rl: its two long runs share one file (203 s either
-# way); not Ray: CPU-bound (384 s against 382-417 s). Not `--dist loadgroup`: pytest 9.2 no
-# longer reads the node ids that xdist 3.8 rewrites for its xdist_group marks, so they group nothing.
+# 307 -> 263 s, prime-rl 203 -> 168 s once its two stock-recipe launches sat in two files
+# (README "## Tests"). Not Ray: CPU-bound (384 s against 382-417 s). Not `--dist loadgroup`: pytest
+# 9.2 no longer reads the node ids that xdist 3.8 rewrites for its xdist_group marks, so they group nothing.
 XDIST=(-n 2 --dist loadfile)
 
 # run_suite COMMAND...: run the stack's pytest command, its ten slowest tests listed (where CI's
