@@ -47,8 +47,9 @@ def _finite(text: str) -> float:
 def parse_json_object(raw: bytes, field: str = "body") -> dict[str, Any]:
     """A JSON object from a request body; InvalidInput(field) when it is not UTF-8 JSON, nests
     deeper than MAX_JSON_DEPTH, holds a non-finite number (`NaN`, `Infinity`, `1e400`; Python's
-    parser accepts them), names a key twice in one object (strict_json) or is not an object; InvalidInput naming the value's path (`prompt`,
-    `messages[0].content`) when a string holds a lone UTF-16 surrogate (`"\\ud800"`)."""
+    parser accepts them), names a key twice in one object (strict_json) or is not an object;
+    InvalidInput naming the value's path (`prompt`, `messages[0].content`) when a string holds a
+    lone UTF-16 surrogate (`"\\ud800"`)."""
     if json_depth(raw) > MAX_JSON_DEPTH:
         raise InvalidInput(field, f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
     try:
