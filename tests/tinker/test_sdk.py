@@ -36,7 +36,6 @@ def _native_batch(seqs=SEQS, weights=WEIGHTS) -> floe.Batch:
                        for s, w in zip(seqs, weights)])
 
 
-
 def test_plain_sdk_script_equals_floe_native(tinker_server, tinker_service, tinker_model: Path, tmp_path: Path) -> None:
     from tinker import types  # noqa: PLC0415
 
@@ -172,8 +171,8 @@ def test_errors_reach_the_sdk_as_clear_failures(tinker_server, tinker_service, t
         bad_key.create_lora_training_client(base_model=str(tinker_model), rank=4).result()
 
 
-def test_forward_backward_custom_applies_the_gradient_of_the_client_side_loss(tinker_server, tinker_service, tinker_model: Path,
-                                                                               tmp_path: Path) -> None:
+def test_forward_backward_custom_applies_the_gradient_of_the_client_side_loss(tinker_server, tinker_service,
+                                                                               tinker_model: Path, tmp_path: Path) -> None:
     """The SDK's forward_backward_custom (forward, the loss and its gradient on the client, then a
     backward with signed per-token weights) moves the adapter exactly as autograd on a plain
     peft model with torch's AdamW does."""

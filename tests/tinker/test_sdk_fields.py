@@ -32,7 +32,6 @@ GSPO_DATA = [
 ]
 
 
-
 def _gspo_inputs(base_lp: list[float], start: int, adv: list[float], masked: bool) -> dict[str, list[float]]:
     """Cookbook-shaped RL inputs: zeros on the prompt, sampler log-probs off the current ones."""
     n = len(base_lp)
