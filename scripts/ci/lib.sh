@@ -18,7 +18,7 @@ stack_env() {
   PINS="$2 py:$("$PY" -c 'import sys; print(sys.version_info[:2])')" || exit 1
   VENV="${FLOE_CI_CACHE:-$HOME/.cache/floe-ci}/$STACK-$(printf '%s' "$PINS" | sha256sum | cut -c1-12)"
   [ -f "$VENV/.complete" ] && return 1
-  echo "$STACK.sh: building $VENV ($PINS)"
+  echo "${0##*/}: building $VENV ($PINS)"
   STACK_T0=$(date +%s)
   rm -rf "$VENV"
   mkdir -p "$(dirname "$VENV")"
@@ -31,7 +31,7 @@ stack_env() {
 # stack_built: mark the environment complete (after the stack's own build steps).
 stack_built() {
   touch "$VENV/.complete"
-  echo "$STACK.sh: environment built in $(( $(date +%s) - STACK_T0 )) s"
+  echo "${0##*/}: environment built in $(( $(date +%s) - STACK_T0 )) s"
 }
 
 # requirements_of DIST EXCLUDED [EXTRA ...]: DIST's requirements for this platform (base, plus
@@ -60,11 +60,10 @@ install_floe() {
   if [ -n "${FLOE_CI_BUILD_ONLY:-}" ]; then exit 0; fi
   (
     flock 9
-    "$VENV/bin/pip" install --quiet --no-deps -e .
     "$VENV/bin/pip" install --quiet -e ".[$1]" "$TORCH_PIN"
   ) 9> "$(dirname "$VENV")/.install-floe.lock"
   "$VENV/bin/python" -c "import sys, torch; torch.__version__.startswith('2.13.0') or sys.exit(
-    f'$STACK.sh: torch {torch.__version__}, expected 2.13.0 (CPU build)')"
+    f'${0##*/}: torch {torch.__version__}, expected 2.13.0 (CPU build)')"
 }
 
 # XDIST: pytest's arguments for two pytest-xdist workers, one test file each at a time (a module's
@@ -82,5 +81,5 @@ run_suite() {
   local start
   start=$(date +%s)
   "$@" --durations=10
-  echo "$STACK.sh: suite took $(( $(date +%s) - start )) s"
+  echo "${0##*/}: suite took $(( $(date +%s) - start )) s"
 }
