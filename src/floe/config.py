@@ -8,6 +8,7 @@ a silently ignored setting. `load_layers` deep-merges TOML files left to right a
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
@@ -183,7 +184,11 @@ class LoraConfig(StrictModel):
         'it), or "ignore" (peft\'s own rule: it matches nothing; at least one name must match), for lists written for '
         "several architectures, such as prime-rl's default"
     )
-    exclude_modules: list[str] = Field(default_factory=list, description="peft `exclude_modules`: names never adapted")
+    exclude_modules: list[str] | str = Field(
+        default_factory=list, description="peft `exclude_modules`: module names (last part) never adapted, or, as a "
+        "string, peft's regular expression that must match a module's whole path (e.g. \".*\\.o_proj\"); verl and "
+        "SkyRL hand their string to peft so"
+    )
     init: Literal["kaiming", "gaussian"] = Field(
         "kaiming", description="A's initialisation (B starts at 0): peft's default kaiming-uniform (init_lora_weights "
         "= true), or gaussian (N(0, 1/r), init_lora_weights = \"gaussian\")"
@@ -204,6 +209,16 @@ class LoraConfig(StrictModel):
             raise ValueError(f'a list of module names or "all-linear", got {value!r}')
         return value
 
+    @field_validator("exclude_modules")
+    @classmethod
+    def _pattern(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            try:
+                re.compile(value)
+            except re.error as e:
+                raise ValueError(f"a string is peft's regular expression over whole module paths; {value!r}: {e}") from None
+        return value
+
     @field_validator("target_modules", "exclude_modules")
     @classmethod
     def _names(cls, value: Any) -> Any:
@@ -219,7 +234,7 @@ class LoraConfig(StrictModel):
         if isinstance(self.target_modules, list):
             if not self.target_modules:
                 raise ValueError('target_modules is empty; name modules (e.g. ["q_proj", "v_proj"]) or "all-linear"')
-            if set(self.target_modules) & set(self.exclude_modules):
+            if isinstance(self.exclude_modules, list) and set(self.target_modules) & set(self.exclude_modules):
                 raise ValueError(f"modules both targeted and excluded: {sorted(set(self.target_modules) & set(self.exclude_modules))}")
         return self
 

@@ -8,6 +8,8 @@ continues bit-identically; bad keys and mismatched states are refused.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -115,8 +117,10 @@ def test_base_frozen_reference_is_base_and_sampler_gets_merged_weights(make_clie
             torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(lp), rtol=0, atol=1e-5)
 
 
-def test_resume_is_exact_and_the_state_is_a_peft_adapter(make_client, tiny_model):
-    a = make_client(lora=LORA, optimizer=OPT, seed=1)
+@pytest.mark.parametrize("lora", [LORA, {**LORA, "exclude_modules": ["o_proj"]}, {**LORA, "exclude_modules": r".*\.o_proj"}],
+                         ids=["all-linear", "excluded", "excluded-by-regex"])
+def test_resume_is_exact_and_the_state_is_a_peft_adapter(make_client, tiny_model, lora):
+    a = make_client(lora=lora, optimizer=OPT, seed=1)
     batch = _batch(a.tokenizer())
     for _ in range(2):
         a.forward_backward(batch, "cross_entropy")
@@ -128,7 +132,7 @@ def test_resume_is_exact_and_the_state_is_a_peft_adapter(make_client, tiny_model
     step_a = a.optim_step()
     weights_a = backend_of(a).policy.model.state_dict()
 
-    b = make_client(lora=LORA, optimizer=OPT, seed=2)  # another init seed: the state decides
+    b = make_client(lora=lora, optimizer=OPT, seed=2)  # another init seed: the state decides
     assert b.load_state("ckpt").step == 2
     res_b = b.forward_backward(batch, "cross_entropy")
     step_b = b.optim_step()
@@ -142,6 +146,21 @@ def test_resume_is_exact_and_the_state_is_a_peft_adapter(make_client, tiny_model
     peft_model = PeftModel.from_pretrained(load_model(str(tiny_model)), str(path))
     saved = load_file(str(path / "adapter_model.safetensors"))
     assert len(saved) == len(weights_a)
+
+    def adapted(names: Iterable[str]) -> set[str]:  # module paths (below the peft wrappers) that carry an adapter
+        return {n.split("base_model.model.")[-1].rsplit(".lora_A", 1)[0] for n in names if ".lora_A" in n}
+
+    assert adapted(peft_model.state_dict()) == adapted(weights_a)  # peft adapts exactly floe's layers
+    assert (not any(n.endswith("o_proj") for n in adapted(weights_a))) == ("exclude_modules" in lora)
+    if lora.get("exclude_modules") == ["o_proj"]:  # a state saved before the fix holds the str() of peft's set: still resumes
+        config = json.loads((path / "adapter_config.json").read_text())
+        assert config["exclude_modules"] == ["o_proj"]
+        old = json.dumps({**config, "exclude_modules": "{'o_proj'}"})
+        (path / "adapter_config.json").write_text(old)
+        meta = json.loads((path / "state.json").read_text())
+        meta["files"]["adapter_config.json"] = len(old.encode())  # as that state listed its own file
+        (path / "state.json").write_text(json.dumps(meta))
+        assert b.load_state("ckpt").step == 2
     nll = _sum_nll(peft_model, batch)
     res = b.forward_backward(batch, "cross_entropy", {"aggregation": "sum"})
     assert res.metrics["loss"] == pytest.approx(float(nll), rel=1e-5)
@@ -158,7 +177,7 @@ def test_bfloat16_lora_trains_and_syncs(make_client):
     assert all(torch.equal(sampler_sd[k], merged[k].to(sampler_sd[k].dtype)) for k in merged)
 
 
-def test_target_modules_and_exclude_modules_choose_the_adapted_layers(make_client):
+def test_target_modules_and_exclude_modules_choose_the_adapted_layers(make_client, tiny_model):
     def adapted(lora: dict) -> set[str]:
         names = set(backend_of(make_client(lora={**LORA, **lora})).policy.model.state_dict())
         return {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in names}
@@ -167,6 +186,15 @@ def test_target_modules_and_exclude_modules_choose_the_adapted_layers(make_clien
     everything = adapted({})  # "all-linear": every linear layer but the LM head
     assert "lm_head" not in everything and {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"} <= everything
     assert adapted({"exclude_modules": ["down_proj", "o_proj"]}) == everything - {"down_proj", "o_proj"}
+    # a string is peft's regular expression over whole module paths, as verl and SkyRL pass it to peft
+    assert adapted({"exclude_modules": r".*\.(down|o)_proj"}) == everything - {"down_proj", "o_proj"}
+    with pytest.raises(InvalidInput) as e:  # peft would exclude nothing (its fullmatch of the whole path)
+        make_client(lora={**LORA, "exclude_modules": "o_proj"})
+    assert e.value.field == "lora.exclude_modules" and "whole path" in e.value.message
+    peft_model = get_peft_model(load_model(str(tiny_model)), LoraConfig(r=4, target_modules="all-linear",
+                                                                        exclude_modules=r".*\.(down|o)_proj"))
+    assert {n.split(".lora_A")[0].rsplit(".", 1)[-1] for n, _ in peft_model.named_parameters()
+            if ".lora_A" in n} == everything - {"down_proj", "o_proj"}  # peft's own reading of the same string
     # a list written for several architectures (prime-rl's default): names this model lacks match nothing
     assert adapted({"target_modules": ["q_proj", "experts", "fc1_latent_proj"], "missing_targets": "ignore"}) == {"q_proj"}
 

@@ -17,6 +17,7 @@ What differs from a full-weights policy:
 
 from __future__ import annotations
 
+import ast
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -105,6 +106,10 @@ def _saved_config(host: AdapterHost, directory: Path, meta: dict[str, Any]) -> d
         saved = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise StateError(f"load_state: the state at {directory} has no readable {ADAPTER_CONFIG} ({exc})") from None
+    excluded = saved.get("exclude_modules")
+    if isinstance(excluded, str) and excluded.startswith("{"):
+        # states written before 2026-12-07 hold the str() of peft's set; a literal, never code
+        saved["exclude_modules"] = sorted(ast.literal_eval(excluded))
     live = host.peft.peft_config[ADAPTER].to_dict()  # type: ignore[union-attr]
     live["target_modules"] = sorted(live["target_modules"]) if live.get("target_modules") else None
     live["peft_type"] = "LORA"

@@ -671,6 +671,7 @@ def compute_loss(spec: LossSpec, x: TokenInputs) -> tuple[torch.Tensor, dict[str
     out = per_token_policy_loss(spec, x)
     clipped, bounded = out.clipped, out.bounded
     scaled = out.loss * x.scale
+    policy_term = scaled
     if cfg.kl.coef > 0:
         assert x.ref_logp is not None
         kl, kl_bounded = kl_estimate(x.logp, x.ref_logp, cfg.kl.estimator)
@@ -686,6 +687,7 @@ def compute_loss(spec: LossSpec, x: TokenInputs) -> tuple[torch.Tensor, dict[str
         n_active = int(active.sum())
         sums: dict[str, float] = {
             "loss": float(loss),
+            "policy_loss": float((policy_term * x.weights).sum()),
             "tokens": float(n_active),
             "weight_sum": float(x.weights.sum()),
             "clipped_tokens": float((clipped & active).sum()),
@@ -713,6 +715,7 @@ def finalize_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
     tokens = sum(p["tokens"] for p in parts)
     out = {
         "loss": sum(p["loss"] for p in parts),
+        "policy_loss": sum(p["policy_loss"] for p in parts),
         "tokens": tokens,
         "clip_fraction": sum(p["clipped_tokens"] for p in parts) / tokens if tokens else 0.0,
     }

@@ -28,6 +28,7 @@ merged weights its sampler is synced with.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -119,10 +120,17 @@ def backend_lora_config(lora: FloeLoraConfig, model: torch.nn.Module) -> LoraCon
             raise InvalidInput("lora.target_modules", f"this model has no linear layer named {missing}; "
                                f"its linear layers are {sorted(present)}")
         targets = [n for n in targets if n in present]
-    unknown = [n for n in lora.exclude_modules if n not in present]
-    if unknown:
-        raise InvalidInput("lora.exclude_modules", f"this model has no linear layer named {unknown}; "
-                           f"its linear layers are {sorted(present)}")
+    if isinstance(lora.exclude_modules, str):  # peft's regular expression, matched against whole module paths
+        paths = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+        if not any(re.fullmatch(lora.exclude_modules, p) for p in paths):
+            raise InvalidInput("lora.exclude_modules", f"the regular expression {lora.exclude_modules!r} matches no "
+                               f"linear layer's whole path (peft's rule), e.g. {paths[0]!r}; for a name in every "
+                               "block write '.*\\.<name>', or give a list of names")
+    else:
+        unknown = [n for n in lora.exclude_modules if n not in present]
+        if unknown:
+            raise InvalidInput("lora.exclude_modules", f"this model has no linear layer named {unknown}; "
+                               f"its linear layers are {sorted(present)}")
     hf: Any = model
     head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
     embed = hf.get_input_embeddings() if hasattr(hf, "get_input_embeddings") else None
@@ -134,7 +142,7 @@ def backend_lora_config(lora: FloeLoraConfig, model: torch.nn.Module) -> LoraCon
     return LoraConfig(
         r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0, bias="none",  # type: ignore[arg-type]  # peft: alpha / r in float
         target_modules=targets,
-        exclude_modules=list(lora.exclude_modules) or None,
+        exclude_modules=lora.exclude_modules if isinstance(lora.exclude_modules, str) else list(lora.exclude_modules) or None,
         init_lora_weights=True if lora.init == "kaiming" else "gaussian",
     )
 
@@ -262,7 +270,10 @@ class AdapterHost:
         out = {k: v.detach().cpu().contiguous().clone() for k, v in source.items()}
         save_file(out, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
         assert self.peft is not None
-        config = self.peft.peft_config[name].to_dict()
+        # peft's to_dict keeps sets (target_modules, exclude_modules); JSON has lists, and peft's
+        # loader reads a set's str() as a regular expression that matches nothing
+        config = {k: sorted(v) if isinstance(v, (set, frozenset)) else v
+                  for k, v in self.peft.peft_config[name].to_dict().items()}
         config["base_model_name_or_path"] = self.base_path
         config["target_modules"] = sorted(config["target_modules"]) if config.get("target_modules") else None
         config["peft_type"] = "LORA"
