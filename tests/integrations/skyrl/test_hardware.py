@@ -179,8 +179,10 @@ def test_skyrl_lora_keys_become_floes_lora_table():
     assert "lora" not in backend_of("cpu", **{L: _lora(rank=0)})
     assert backend_of("cpu", **{L: _lora()})["lora"] == {"rank": 32, "alpha": 32.0, "target_modules": "all-linear",
                                                          "init": "kaiming"}
-    lora = backend_of("cpu", **{L: _lora(exclude_modules="o_proj", init_method="gaussian")})["lora"]
-    assert lora == {"rank": 32, "alpha": 32.0, "target_modules": "all-linear", "exclude_modules": ["o_proj"],
+    # SkyRL's exclude_modules is a string, which peft matches as a regular expression against whole
+    # module paths: floe passes it on unchanged
+    lora = backend_of("cpu", **{L: _lora(exclude_modules=r".*\.o_proj", init_method="gaussian")})["lora"]
+    assert lora == {"rank": 32, "alpha": 32.0, "target_modules": "all-linear", "exclude_modules": r".*\.o_proj",
                     "init": "gaussian"}
     assert backend_of("cpu", **{L: _lora(target_modules=["q_proj", "o_proj"])})["lora"]["target_modules"] == ["q_proj", "o_proj"]
     one_gpu = backend_of(**{L: _lora(), "trainer.placement.colocate_all": False})

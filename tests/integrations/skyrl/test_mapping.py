@@ -329,20 +329,23 @@ def skyrl_prescale(adv: torch.Tensor, mask: torch.Tensor, reduction: str, max_se
 
 def skyrl_loss(logp, old, adv_pre, mask, ref, ent, clip, kl_coef, ent_coef, micro):
     """SkyRL 0.4.0 worker loss for one mini-batch on one DP rank, transcribed: per micro-batch,
-    Σ m·ppo(A_pre) + (kl_coef·mean_i(Σ_t m·k3 / Σ_t m) − ent_coef·Σ m·H / Σ m)·(rows_mb / rows)."""
+    Σ m·ppo(A_pre) + (kl_coef·mean_i(Σ_t m·k3 / Σ_t m) − ent_coef·Σ m·H / Σ m)·(rows_mb / rows);
+    and its policy term alone, Σ m·ppo(A_pre) over the micro-batches (SkyRL's summed `policy_loss`)."""
     total = torch.zeros((), dtype=logp.dtype)
+    policy = torch.zeros((), dtype=logp.dtype)
     rows = logp.shape[0]
     for s in range(0, rows, micro):
         sl = slice(s, s + micro)
         ratio = torch.exp(logp[sl] - old[sl])
         pg = -torch.minimum(ratio * adv_pre[sl], ratio.clamp(1 - clip[0], 1 + clip[1]) * adv_pre[sl])
         total = total + (pg * mask[sl]).sum()
+        policy = policy + (pg * mask[sl]).sum()
         d = ref[sl] - logp[sl]
         k3 = (torch.exp(d) - d - 1) * mask[sl]
         kl = ((k3 * mask[sl]).sum(-1) / mask[sl].sum(-1)).mean()
         entropy = (ent[sl] * mask[sl]).sum() / mask[sl].sum()
         total = total + (kl_coef * kl - ent_coef * entropy) * (logp[sl].shape[0] / rows)
-    return total
+    return total, policy
 
 
 @pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean"])
@@ -369,7 +372,7 @@ def test_floe_weights_reproduce_skyrl_loss_and_gradient(reduction: str, term: st
     ent_coef = 0.03 if "entropy" in term else 0.0
 
     logp_a, ent_a = logp0.clone().requires_grad_(), ent0.clone().requires_grad_()
-    expected = skyrl_loss(logp_a, old, adv_pre, mask, ref, ent_a, clip, kl_coef, ent_coef, micro)
+    expected, expected_policy = skyrl_loss(logp_a, old, adv_pre, mask, ref, ent_a, clip, kl_coef, ent_coef, micro)
     expected.backward()
 
     algo = {**ALGO, "eps_clip_low": clip[0], "eps_clip_high": clip[1], "use_kl_loss": "kl" in term,
@@ -395,9 +398,11 @@ def test_floe_weights_reproduce_skyrl_loss_and_gradient(reduction: str, term: st
         sample_index=torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]), num_samples=rows,
         old_logp=flat(old), advantages=flat(a), ref_logp=flat(ref), entropy=flat(ent_b),
     )
-    got, _ = compute_loss(spec, x)
+    got, sums = compute_loss(spec, x)
     got.backward()
     assert math.isclose(float(got.detach()), float(expected.detach()), rel_tol=1e-9, abs_tol=1e-12)
+    # floe's `policy_loss` metric is SkyRL's policy_loss: the loss less its KL and entropy terms
+    assert math.isclose(sums["policy_loss"], float(expected_policy), rel_tol=1e-9, abs_tol=1e-12)
     assert torch.allclose(logp_b.grad, logp_a.grad, atol=1e-12)  # both 0 off the loss mask
     if "entropy" in term:
         assert ent_b.grad is not None and torch.allclose(ent_b.grad, ent_a.grad, atol=1e-12)

@@ -28,7 +28,7 @@ import pytest
 from transformers import AutoConfig
 
 from floe.compute.flops import TransformerShape, training_flops
-from tests.integrations.skyrl.assets import REPO, run_env, skyrl_rates
+from tests.integrations.skyrl.assets import REPO, STOCK_GPUS, run_env, skyrl_rates
 from tests.server.conftest import ServerProcess, free_port, write_config
 
 pytestmark = pytest.mark.skyrl
@@ -59,7 +59,6 @@ def recipe_args(assets: dict[str, Path], out: Path) -> list[str]:
         "trainer.algorithm.kl_loss_coef=0.01", "trainer.policy.optimizer_config.lr=1e-3",
         f"generator.n_samples_per_prompt={N_SAMPLES}", "generator.sampling_params.max_generate_length=16",
         "generator.eval_sampling_params.max_generate_length=16",
-        "generator.inference_engine.enable_ray_prometheus_stats=false",
         "environment.env_class=gsm8k_shaped", "environment.skyrl_gym.max_env_workers=1", "data.dataloader.num_workers=0",
     ]
 
@@ -130,6 +129,8 @@ def check_run(proc: subprocess.CompletedProcess[str], out: Path, model: Path, lr
         # per group) and every response the same length (all hit max_tokens), the token-mean
         # policy loss is -mean(A) = 0 while its gradient is not (seen in CI, 2026-12-07).
         assert math.isfinite(r["policy/final_loss"]), r
+        # SkyRL's own loss metrics: the policy term, and the KL term's value (k3 here: non-negative)
+        assert math.isfinite(r["policy/policy_loss"]) and r["policy/policy_kl"] >= 0, r
         check_throughput(r, model, peak_tflops)
     if lrs is not None:
         per_step = TRAIN_BATCH // MINI_BATCH
@@ -149,7 +150,9 @@ def test_skyrl_main_base_with_embedded_floe(assets: dict[str, Path], tmp_path: P
     # Off-policy correction: the deprecated use_tis (validate_cfg turns it into token TIS) + a geometric sequence mask.
     correction = ["trainer.algorithm.use_tis=true", "trainer.algorithm.tis_imp_ratio_cap=2.0",
                   "trainer.algorithm.off_policy_correction.sequence_mask_metric=geometric"]
-    proc = run_skyrl(assets, tmp_path, *ON_CPU, f"floe.backend.compute.peak_tflops={PEAK_TFLOPS}", *correction)
+    # the stock recipes' GPU counts (4 per role): with floe.backend.device=cpu they ask floe for nothing
+    proc = run_skyrl(assets, tmp_path, *ON_CPU, f"floe.backend.compute.peak_tflops={PEAK_TFLOPS}", *correction,
+                     *STOCK_GPUS)
     check_run(proc, tmp_path, assets["model"], peak_tflops=PEAK_TFLOPS)
     log = (tmp_path / "run.log").read_text()
     assert "floe backend settings: device=cpu dtype=float32 engine=torch placement=local" in log, log[-3000:]
@@ -165,9 +168,10 @@ def test_skyrl_main_base_with_embedded_floe(assets: dict[str, Path], tmp_path: P
 
 @pytest.mark.timeout(300)
 def test_a_gpu_recipe_without_a_gpu_is_refused_before_anything_starts(assets: dict[str, Path], tmp_path: Path) -> None:
-    """SkyRL's recipe as on a GPU box (no floe device key) on this CPU machine: exits with floe's
-    error naming the placement key before any model loads."""
-    proc = run_skyrl(assets, tmp_path)
+    """SkyRL's recipe as on a GPU box (no floe device key, the stock recipes' 4 GPUs per role) on
+    this CPU machine: exits with floe's error naming the placement key before any model loads
+    (not after SkyRL's 180 s wait for a 2-GPU node, which its NCCL probe would start)."""
+    proc = run_skyrl(assets, tmp_path, *STOCK_GPUS)
     log = proc.stdout + proc.stderr
     assert proc.returncode not in (0, 124), log[-3000:]
     assert "InvalidInput" in log and "trainer.placement.policy_num_gpus_per_node" in log, log[-3000:]

@@ -302,6 +302,7 @@ def test_an_aborted_response_returns_its_tokens_and_resumes_on_the_new_weights(t
     finally:
         ray.shutdown()
         server.stop()
+    assert not server.log_path.parent.exists()  # its serve.toml and log go with it (it stopped cleanly)
 
 
 def test_a_resync_of_the_last_step_is_a_no_op_and_new_weights_need_a_new_step(tmp_path, shared_ray):

@@ -139,6 +139,14 @@ def test_main_ppo_on_the_plugins_own_backend(assets):
     assert marker["state"] == f"verl_step_{STEPS}" and marker["step"] == MINI_BATCHES * STEPS
     assert marker["lr_scheduler_steps"] == STEPS
     assert (out / "checkpoints" / "floe_state" / marker["state"]).is_dir()
+    # trainer mode floe is verl's synchronous trainer: no TransferQueue in its checkpoints (verl's
+    # async modes save one) and the sync replay buffer's gen_batch_size (async modes force 1)
+    assert not (out / "checkpoints" / f"global_step_{STEPS}" / "transfer_queue").exists()
+    assert "gen_batch_size defaulted to 1" not in run.log and "is overridden to 1" not in run.log
+    # verl's actor/pg_loss is the policy term alone; floe's whole loss adds the KL term (use_kl_loss),
+    # non-zero once the weights moved (the warm-up's first rate is 0: by the last step they have)
+    last = run.steps[STEPS]
+    assert last["actor/floe/loss"] - last["actor/pg_loss"] > 0, last
 
 
 def test_a_gpu_recipe_without_a_gpu_is_refused_before_anything_starts(assets):

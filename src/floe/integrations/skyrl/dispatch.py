@@ -29,6 +29,8 @@ import torch
 from skyrl.backends.skyrl_train.distributed.dispatch import WorkerOutput
 from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
 from skyrl.backends.skyrl_train.utils.off_policy_correction_utils import compute_off_policy_correction
+from skyrl.backends.skyrl_train.utils.ppo_utils import compute_approx_kl
+from skyrl.backends.skyrl_train.utils.torch_utils import masked_mean
 from skyrl.backends.skyrl_train.workers.worker_utils import compute_minibatch_rollout_logprob_diff_metrics
 from skyrl.train.config.config import OffPolicyCorrectionConfig
 from skyrl.train.trainer import RayPPOTrainer
@@ -162,9 +164,14 @@ class FloeDispatch:
         new_logprobs = skyrl_token_values(layout, res.logprobs, width)
         metrics: dict[str, Any] = {
             "final_loss": res.metrics["loss"],
+            "policy_loss": res.metrics["policy_loss"],
             "loss_metrics/clip_ratio": res.metrics.get("clip_fraction", 0.0),
             "response_length": width,
         }
+        if self.cfg.trainer.algorithm.use_kl_loss:  # SkyRL's own: its estimator, per-sequence token mean
+            kl = compute_approx_kl(new_logprobs, data["base_action_log_probs"], loss_mask=loss_mask,
+                                   kl_estimator_type=self.cfg.trainer.algorithm.kl_estimator_type)
+            metrics["policy_kl"] = float(masked_mean(kl, loss_mask, dim=-1).mean())
         for floe_key, skyrl_key in (("entropy", "policy_entropy"), ("kl_ref_k3", "policy_kl_k3"),
                                     ("ratio_mean", "loss_metrics/ratio_mean"), ("kl_sampler_k3", "floe_kl_sampler_k3")):
             if floe_key in res.metrics:

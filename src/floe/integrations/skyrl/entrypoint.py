@@ -4,9 +4,10 @@
 
 SkyRL's ``main_base`` sees ``trainer.override_entrypoint`` and calls `main` here, which parses
 the same command line into `FloeSkyRLConfig` (SkyRL's config plus an optional ``floe`` block),
-runs SkyRL's own ``validate_cfg`` and ``initialize_ray``, checks that floe can honour every
-loss / optimizer key (mapping.py; an InvalidInput names the key otherwise), and runs `FloeExp`
-in one Ray task as ``main_base`` does. With ``trainer.fully_async.enabled=true`` the trainer is
+runs SkyRL's own ``validate_cfg``, checks that floe can honour every loss / optimizer /
+sampling / model key (mapping.py, `check_supported`; an InvalidInput names the key otherwise),
+counts the GPUs the backend needs, runs SkyRL's ``initialize_ray`` (`skyrl_ray_config`) and
+runs `FloeExp` in one Ray task as ``main_base`` does. With ``trainer.fully_async.enabled=true`` the trainer is
 SkyRL's fully-async one (fully_async.py: generation overlaps training, staleness from floe's
 weights versions). SkyRL's dataset, generator, skyrl-gym environments,
 advantage estimators, loss reduction, metrics and trainer loop run unchanged; the policy,
@@ -22,6 +23,7 @@ every metrics record SkyRL logs is also appended, at full precision, to
 ``<trainer.export_path>/floe_metrics.jsonl``.
 """
 
+import copy
 import importlib
 import json
 import logging
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+import torch
 from skyrl.train.config import SkyRLTrainConfig
 from skyrl.train.config.config import BaseConfig
 from skyrl.train.dataset import PromptDataset
@@ -45,12 +48,12 @@ import floe
 from floe.atomic import atomic_write_text
 from floe.config import parse_config
 from floe.errors import InvalidInput
-from floe.integrations.hardware import check_server_lora, describe, with_overrides
+from floe.integrations.hardware import check_installed, check_server_lora, describe, with_overrides
 from floe.integrations.skyrl.dispatch import FloeRayPPOTrainer, FloeTrainerMixin
 from floe.integrations.skyrl.fully_async import FloeFullyAsyncTrainer, VersionedGenerator, check_fully_async
 from floe.integrations.skyrl.hardware import SkyRLHardware, skyrl_hardware, skyrl_lora
 from floe.integrations.skyrl.inference import FloeInferenceClient
-from floe.integrations.skyrl.mapping import SkyRLLoss, map_loss, map_optimizer, optimizer_steps
+from floe.integrations.skyrl.mapping import SkyRLLoss, map_loss, map_optimizer, map_sampling, optimizer_steps
 from floe.placement.gpus import check_cluster_gpus, needs_gpu_process
 
 OVERRIDE_KEY = "trainer.override_entrypoint="
@@ -96,12 +99,43 @@ def check_supported(cfg: SkyRLTrainConfig) -> SkyRLLoss:
         raise InvalidInput("trainer.update_ref_every_epoch", "floe's reference zone is fixed for the run")
     if cfg.generator.vision_language_generator:
         raise InvalidInput("generator.vision_language_generator", "floe is text-only")
+    for name in ("policy", "ref"):
+        if getattr(trainer, name).model_config_kwargs:
+            raise InvalidInput(f"trainer.{name}.model_config_kwargs", "floe builds the model from its own config.json: "
+                               "it has no override of the Hugging Face config (e.g. rope_parameters); save the changed "
+                               "config with the checkpoint instead")
+    engine = cfg.generator.inference_engine
+    if engine.engine_init_kwargs:
+        raise InvalidInput("generator.inference_engine.engine_init_kwargs", "floe builds its sampler engine from "
+                           "floe.backend.sampler.engine (docs/engines.md), not from vLLM keyword arguments")
+    if engine.delta_weight_sync is not None:
+        raise InvalidInput("generator.inference_engine.delta_weight_sync", "floe syncs the policy's weights to its "
+                           "sampler itself (verified by fingerprint); there is no delta sync directory")
+    check_sampling(cfg.generator)
     loss = map_loss(asdict(trainer.algorithm), max_tokens_per_microbatch=trainer.max_tokens_per_microbatch,
                     has_critic=bool(trainer.critic.model.path))
     map_optimizer(asdict(trainer.policy.optimizer_config), total_steps=_total_optimizer_steps(cfg))
     floe_block = getattr(cfg, "floe", None)
     skyrl_hardware(asdict(trainer), asdict(cfg.generator), (floe_block.backend if floe_block else {}).get("device"))
     return loss
+
+
+def check_sampling(generator: Any) -> None:
+    """``generator.sampling_params`` and ``generator.eval_sampling_params`` as floe samples them
+    (`map_sampling`), checked before anything starts. SkyRL drops ``repetition_penalty`` from the
+    requests it sends, so it is checked here by its key; InvalidInput names the SkyRL key."""
+    for section in ("sampling_params", "eval_sampling_params"):
+        params, where = getattr(generator, section), f"generator.{section}"
+        if params.repetition_penalty != 1.0:
+            raise InvalidInput(f"{where}.repetition_penalty", "floe's sampler has no repetition penalty; keep 1.0")
+        request = {"max_tokens": params.max_generate_length, "temperature": params.temperature, "top_p": params.top_p,
+                   "min_p": params.min_p, "top_k": params.top_k, "logprobs": params.logprobs, "stop": params.stop}
+        for keys, prefix in ((request, where), *(({k: v}, f"{where}.additional_kwargs")
+                                                 for k, v in (params.additional_kwargs or {}).items())):
+            try:
+                map_sampling(keys)
+            except InvalidInput as err:
+                raise InvalidInput(prefix + err.field.removeprefix("sampling_params"), err.message) from None
 
 
 def _total_optimizer_steps(cfg: SkyRLTrainConfig) -> int | None:
@@ -256,7 +290,26 @@ def parse(argv: list[str]) -> FloeSkyRLConfig:
     cfg = FloeSkyRLConfig.from_cli_overrides([a for a in argv if not a.startswith(OVERRIDE_KEY)])
     validate_cfg(cfg)
     check_supported(cfg)
+    # SkyRL's scraper of its own vLLM engines' Prometheus endpoints: floe's sampler is not one of
+    # them (its metrics are floe's: /metrics of `floe serve`), and with Ray's default build the
+    # scraper's port is -1, which fails the first training step.
+    cfg.generator.inference_engine.enable_ray_prometheus_stats = False
     return cfg
+
+
+def skyrl_ray_config(cfg: FloeSkyRLConfig, backend: dict[str, Any] | None) -> FloeSkyRLConfig:
+    """The config SkyRL's ``initialize_ray`` is given. Its ``prepare_runtime_environment`` probes
+    NCCL peer access whenever one of the recipe's GPU counts is above 1 (every stock recipe's are
+    4), on a machine without CUDA by waiting up to 180 s for a 2-GPU node; what it finds sets NCCL
+    variables for GPU workers. A run whose floe backend uses no GPU of this cluster (a CPU backend,
+    or `floe.url`: `backend` None) has no such workers, so there its copy reads counts of 1."""
+    if backend is not None and str(backend.get("device", "cpu")).startswith("cuda"):
+        return cfg
+    out = copy.deepcopy(cfg)
+    placement = out.trainer.placement
+    placement.policy_num_gpus_per_node = placement.critic_num_gpus_per_node = placement.ref_num_gpus_per_node = 1
+    out.generator.inference_engine.tensor_parallel_size = 1
+    return out
 
 
 def main() -> None:
@@ -267,12 +320,21 @@ def main() -> None:
     the backend's own actors take the GPUs. Fewer GPUs in the cluster than the recipe asks for
     is refused here, before any model loads."""
     cfg = parse(sys.argv[1:])
-    initialize_ray(cfg)
+    backend, hardware = (None, None) if cfg.floe.url else embedded_backend(cfg)
+    gpu_hint = "SkyRL places the policy on GPUs; to train on the CPU add floe.backend.device=cpu"
+    if hardware is not None and hardware.gpus and not torch.cuda.is_available():
+        # No GPU here: the cluster's are counted now, so that a missing GPU is this refusal, not
+        # SkyRL's 180 s wait for a 2-GPU node in initialize_ray (skyrl_ray_config).
+        ray.init()
+        try:
+            check_cluster_gpus(hardware.gpus, "trainer.placement.policy_num_gpus_per_node", gpu_hint)
+        finally:
+            ray.shutdown()
+    initialize_ray(skyrl_ray_config(cfg, backend))
     task = floe_skyrl_entrypoint
-    if not cfg.floe.url:
-        backend, hardware = embedded_backend(cfg)
-        check_cluster_gpus(hardware.gpus, "trainer.placement.policy_num_gpus_per_node", (
-            "SkyRL places the policy on GPUs; to train on the CPU add floe.backend.device=cpu"))
+    if backend is not None and hardware is not None:
+        check_cluster_gpus(hardware.gpus, "trainer.placement.policy_num_gpus_per_node", gpu_hint)
+        check_installed(backend, "generator.inference_engine.backend", "trainer.flash_attn")
         if needs_gpu_process(backend):
             task = task.options(num_gpus=1)
     ray.get(task.remote(cfg))

@@ -11,13 +11,14 @@
 With no `url` (the default) the plugin runs `floe serve` on loopback for the length of the
 run, on `actor_rollout_ref.model.path`, with the actor's optimizer mapped onto floe's
 (table below) and a fresh token; verl's trainer and rollout processes all talk to it. With a
-`url` the server's own configuration rules (its model and optimizer are whatever it was
-started with).
+`url` the server's own configuration rules (its model and optimizer settings are whatever it
+was started with; each optim_step's learning rate is still the recipe's schedule, schedule.py).
 
 | verl key (actor_rollout_ref.actor.optim.*)  | floe BackendConfig.optimizer                  |
 |---------------------------------------------|-----------------------------------------------|
-| optimizer = AdamW (others refused)          | AdamW                                         |
-| lr, betas, weight_decay, clip_grad          | lr, betas, weight_decay, grad_clip            |
+| optimizer = AdamW, optimizer_impl = torch.optim (others refused) | AdamW                    |
+| lr, betas, weight_decay, clip_grad (or the deprecated grad_clip, which verl copies over it) | lr, betas, weight_decay, grad_clip |
+| override_optimizer_config.{lr, betas, weight_decay, eps} (win, as in verl's build_optimizer); amsgrad / maximize false only; foreach / fused / capturable / differentiable no effect on a number; other keys refused | the same keys |
 | lr_scheduler_type (constant, cosine), lr_warmup_steps(_ratio), min_lr_ratio, num_cycles, zero_indexed_step | verl's own scheduler in the plugin (schedule.py), stepped once per training step; each optim_step carries its rate |
 
 The device, dtype, memory and engine keys of the recipe (`trainer.device`, the FSDP dtype,
@@ -60,23 +61,61 @@ class FloeTarget:
     rollout_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
 
 
+# torch.optim.AdamW keyword arguments `override_optimizer_config` may set: floe's optimizer key
+# (None: accepted only at the value that changes no number)
+_ADAMW_OVERRIDES: dict[str, str | None] = {"lr": "lr", "weight_decay": "weight_decay", "betas": "betas", "eps": "eps",
+                                           "amsgrad": None, "maximize": None}
+_ADAMW_IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")  # how, not what, AdamW computes
+
+
+def _number(value: Any, key: str, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
+            positive and value <= 0):
+        raise InvalidInput(key, f"must be a finite number{' > 0' if positive else ''}, got {value!r}")
+    return float(value)
+
+
+def _betas(value: Any, key: str) -> tuple[float, float]:
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise InvalidInput(key, f"must be two numbers, got {value!r}")
+    return (_number(value[0], key), _number(value[1], key))
+
+
 def _optimizer(optim: Mapping[str, Any]) -> dict[str, Any]:
+    """floe's optimizer table from verl's `actor.optim` (FSDPOptimizerConfig and verl's
+    `build_optimizer`: AdamW of torch.optim on lr, weight_decay, betas, then
+    `override_optimizer_config` over them; the deprecated `grad_clip` replaces `clip_grad`)."""
     name = optim.get("optimizer", "AdamW")
     if name != "AdamW":
         raise InvalidInput(f"{OPTIM}.optimizer", f"floe's policy zone trains with AdamW, got {name!r}")
+    impl = optim.get("optimizer_impl", "torch.optim")
+    if impl != "torch.optim":
+        raise InvalidInput(f"{OPTIM}.optimizer_impl", f"floe's policy zone trains with torch.optim's AdamW, got {impl!r}")
     out: dict[str, Any] = {}
-    for verl_key, floe_key in (("lr", "lr"), ("weight_decay", "weight_decay"), ("clip_grad", "grad_clip")):
-        value = optim.get(verl_key)
-        if value is None:
+    for key in ("lr", "weight_decay"):
+        if optim.get(key) is not None:
+            out[key] = _number(optim[key], f"{OPTIM}.{key}")
+    clip_key = "grad_clip" if optim.get("grad_clip") is not None else "clip_grad"
+    if optim.get(clip_key) is not None:
+        out["grad_clip"] = _number(optim[clip_key], f"{OPTIM}.{clip_key}", positive=True)
+    if optim.get("betas") is not None:
+        out["betas"] = _betas(optim["betas"], f"{OPTIM}.betas")
+    overrides = optim.get("override_optimizer_config") or {}
+    for key, value in overrides.items():
+        where = f"{OPTIM}.override_optimizer_config.{key}"
+        if key in _ADAMW_IMPLEMENTATION:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise InvalidInput(f"{OPTIM}.{verl_key}", f"must be a finite number, got {value!r}")
-        out[floe_key] = float(value)
-    betas = optim.get("betas")
-    if betas is not None:
-        if len(betas) != 2:
-            raise InvalidInput(f"{OPTIM}.betas", f"must be two numbers, got {betas!r}")
-        out["betas"] = (float(betas[0]), float(betas[1]))
+        if key not in _ADAMW_OVERRIDES:
+            raise InvalidInput(where, f"not a torch.optim.AdamW argument floe's optimizer takes "
+                                      f"({sorted(_ADAMW_OVERRIDES)} and {list(_ADAMW_IMPLEMENTATION)})")
+        floe_key = _ADAMW_OVERRIDES[key]
+        if floe_key is None:
+            if value:
+                raise InvalidInput(where, "floe's AdamW has no such variant; set it false")
+        elif key == "betas":
+            out["betas"] = _betas(value, where)
+        else:
+            out[floe_key] = _number(value, where, positive=key in ("lr", "eps"))
     scheduler_type(optim)
     for key, lo in (("lr_warmup_steps", None), ("lr_warmup_steps_ratio", 0.0), ("min_lr_ratio", 0.0), ("num_cycles", 0.0)):
         value = optim.get(key)

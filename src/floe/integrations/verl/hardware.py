@@ -142,6 +142,17 @@ def verl_hardware(cfg: Mapping[str, Any], device: str | None = None) -> VerlHard
                 f"{REF}.ulysses_sequence_parallel_size"):
         _must_be(cfg, key, (1,), "floe has no sequence parallelism; set it to 1 (long sequences: "
                                  "model.enable_gradient_checkpointing and actor.ppo_max_token_len_per_gpu bound memory)")
+    if _get(cfg, f"{MODEL}.mtp.enable", False):
+        raise InvalidInput(f"{MODEL}.mtp.enable", "floe trains and samples the causal LM without multi-token prediction "
+                           "heads; set it false")
+    if _get(cfg, f"{ROLLOUT}.engine_kwargs.vllm", None):
+        raise InvalidInput(f"{ROLLOUT}.engine_kwargs.vllm", "floe builds its vLLM engine from the rollout keys of the "
+                           "table (docs/integrations.md) and floe.backend.sampler.engine (docs/engines.md), not from "
+                           "vLLM keyword arguments")
+    for key in (f"{ACTOR}.fsdp_config.qat.enable", f"{REF}.fsdp_config.qat.enable"):
+        if _get(cfg, key, False):
+            raise InvalidInput(key, "floe trains without quantization-aware training (verl's FSDP engine fake-quantises "
+                               "the model); set it false")
     if _flag(cfg, f"{MODEL}.enable_activation_offload", False):
         raise InvalidInput(f"{MODEL}.enable_activation_offload", "floe does not offload activations; set it false and "
                            "keep model.enable_gradient_checkpointing=true to bound activation memory")

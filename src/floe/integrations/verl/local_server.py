@@ -13,6 +13,7 @@ import ctypes
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -77,7 +78,7 @@ class LocalServer:
         self.token = secrets.token_hex(16)
         self.port = _free_port() if port is None else port
         self.url = f"http://127.0.0.1:{self.port}"
-        workdir = Path(tempfile.mkdtemp(prefix="floe-verl-"))
+        self._workdir = workdir = Path(tempfile.mkdtemp(prefix="floe-verl-"))
         config = workdir / "serve.toml"
         config.write_text(to_toml({"backend": dict(backend), **({"server": dict(server)} if server else {})}))
         self.log_path = Path(log_path) if log_path else workdir / "server.log"
@@ -113,7 +114,10 @@ class LocalServer:
             return "(no log)"
 
     def stop(self, timeout_s: float = 30) -> None:
-        """Stop the server (SIGTERM, then SIGKILL after `timeout_s`); safe to call twice."""
+        """Stop the server (SIGTERM, then SIGKILL after `timeout_s`); safe to call twice. Its
+        directory (serve.toml, and server.log unless `log_path` was given) goes with it, unless
+        the server had failed on its own: then it stays, for its log."""
+        failed = self.proc.poll() not in (None, 0)
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -123,3 +127,5 @@ class LocalServer:
                 self.proc.wait()
         if not self._log.closed:
             self._log.close()
+        if not failed:
+            shutil.rmtree(self._workdir, ignore_errors=True)

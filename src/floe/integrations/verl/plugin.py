@@ -58,7 +58,7 @@ from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutRep
 import floe
 from floe.convert import verl_sequence_values, verl_to_batch
 from floe.errors import InvalidInput, StateError
-from floe.integrations.hardware import check_server_lora, describe
+from floe.integrations.hardware import check_installed, check_server_lora, describe
 from floe.integrations.verl.backend_config import floe_target
 from floe.integrations.verl.local_server import LocalServer
 from floe.integrations.verl.loss_mapping import VerlLoss, verl_loss, weighted_advantages
@@ -251,7 +251,8 @@ class FloeWorkerGroup:
             seqlens += [len(g.prompt) + len(smp.tokens) for g in layout.batch.groups for smp in g.samples]
             seconds += fb.metrics["seconds"]
             tokens += fb.metrics["sequence_tokens"]
-            metrics["pg_loss"].append(fb.metrics["loss"])
+            metrics["pg_loss"].append(fb.metrics["policy_loss"])  # verl's: the policy term alone
+            metrics["floe/loss"].append(fb.metrics["loss"])  # with the KL and entropy terms
             metrics["pg_clipfrac"].append(fb.metrics.get("clip_fraction", 0.0))
             metrics["grad_norm"].append(step.grad_norm)
             metrics["floe/applied_lr"].append(step.lr)
@@ -416,6 +417,7 @@ def start_session(config: Any, use_critic: bool, worker_group_cls: type[FloeWork
         check_cluster_gpus(target.hardware.gpus, "trainer.device", (
             "trainer.n_gpus_per_node x trainer.nnodes GPUs with trainer.device=cuda (verl 0.9.1 sets cuda even "
             "on a machine without GPUs); to train on the CPU add +floe.backend.device=cpu"))
+        check_installed(target.backend or {}, "actor_rollout_ref.rollout.name")
     if check is not None:
         check(cfg)
     with open_dict(config):
@@ -452,6 +454,15 @@ def start_session(config: Any, use_critic: bool, worker_group_cls: type[FloeWork
 @register_trainer("floe")
 class FloeTrainer(PPOTrainerSync):
     """verl's synchronous V1 trainer with a floe backend in place of GPU worker groups."""
+
+    def _build_replay_buffer(self) -> Any:
+        # verl's V1 base class branches on the literal mode name "sync" (replay buffer, DAPO
+        # refills and gen_batch_size, TransferQueue checkpoints, in-flight prompts): mode "floe"
+        # is that synchronous trainer, so from here on it reads as "sync", with sync's settings.
+        # (The base's __init__ builds the replay buffer right after reading the mode.)
+        self.trainer_mode = "sync"
+        self.parameter_sync_step = self.config.trainer.v1.get("sync", {}).get("parameter_sync_step", 1)
+        return super()._build_replay_buffer()
 
     def _setup(self) -> None:
         self._init_tokenizer()
