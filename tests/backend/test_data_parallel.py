@@ -128,11 +128,13 @@ def test_merge_forward_backward_sums_metric_parts_like_one_process():
     spec = resolve_loss("cross_entropy", None)
     shares = split_batch(batch, 2, spec)  # rank 1 gets nothing
     lp = _values(batch, -1.0)
-    sums_a = {"loss": 1.5, "tokens": 6.0, "weight_sum": 5.0, "clipped_tokens": 0.0, "exp_bounded_tokens": 0.0}
-    sums_b = {"loss": 0.25, "tokens": 2.0, "weight_sum": 2.0, "clipped_tokens": 0.0, "exp_bounded_tokens": 0.0}
+    sums_a = {"loss": 1.5, "policy_loss": 1.25, "tokens": 6.0, "weight_sum": 5.0, "clipped_tokens": 0.0,
+              "exp_bounded_tokens": 0.0}
+    sums_b = {"loss": 0.25, "policy_loss": 0.5, "tokens": 2.0, "weight_sum": 2.0, "clipped_tokens": 0.0,
+              "exp_bounded_tokens": 0.0}
     partials = [RankPartial(lp, [sums_a, sums_b]), RankPartial([], [])]
     merged = merge_forward_backward(batch, shares, partials, spec)
     assert merged.logprobs == lp
     assert merged.metrics == {**finalize_metrics([sums_a, sums_b]), "samples": 2.0}
-    assert merged.metrics["loss"] == 1.75 and merged.loss == "cross_entropy"
+    assert merged.metrics["loss"] == 1.75 and merged.metrics["policy_loss"] == 1.75 and merged.loss == "cross_entropy"
     assert merged.loss_config == spec.resolved()
