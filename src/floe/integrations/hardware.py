@@ -15,7 +15,8 @@ from typing import Any
 from floe.config import FLOAT16_REFUSED, deep_merge
 from floe.errors import InvalidInput
 
-__all__ = ["VLLM_KEYS", "check_installed", "check_server_lora", "describe", "floe_dtype", "lora_table", "vllm_engine", "with_overrides"]
+__all__ = ["VLLM_KEYS", "check_installed", "check_server_lora", "describe", "floe_dtype", "lora_table", "vllm_engine",
+           "with_overrides"]
 
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
            "float16": "float16", "fp16": "float16", "half": "float16"}

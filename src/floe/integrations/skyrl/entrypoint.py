@@ -7,8 +7,8 @@ the same command line into `FloeSkyRLConfig` (SkyRL's config plus an optional ``
 runs SkyRL's own ``validate_cfg``, checks that floe can honour every loss / optimizer /
 sampling / model key (mapping.py, `check_supported`; an InvalidInput names the key otherwise),
 counts the GPUs the backend needs, runs SkyRL's ``initialize_ray`` (`skyrl_ray_config`) and
-runs `FloeExp` in one Ray task as ``main_base`` does. With ``trainer.fully_async.enabled=true`` the trainer is
-SkyRL's fully-async one (fully_async.py: generation overlaps training, staleness from floe's
+runs `FloeExp` in one Ray task as ``main_base`` does. With ``trainer.fully_async.enabled=true``
+the trainer is SkyRL's fully-async one (fully_async.py: generation overlaps training, staleness from floe's
 weights versions). SkyRL's dataset, generator, skyrl-gym environments,
 advantage estimators, loss reduction, metrics and trainer loop run unchanged; the policy,
 reference and sampler are floe's.
