@@ -40,9 +40,13 @@ def ray_cluster(env: dict[str, str], log_path: Path, num_cpus: int | None = None
     START_TIMEOUT_S."""
     address = f"127.0.0.1:{free_port()}"
     temp_dir = tempfile.mkdtemp(prefix="floe-ray-")  # short: Ray's unix sockets live under it (108-byte paths)
+    # Each pytest-xdist worker runs a cluster of its own: without disjoint worker-port ranges two
+    # raylets hand out the same port (Ray's default range is 10002-19999), and a driver's core
+    # worker then dies on "Address already in use" (seen once in CI's SkyRL suite).
+    low = 10002 + 2000 * int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--disable-usage-stats",
            f"--port={address.split(':')[1]}", "--include-dashboard=false",
-           f"--temp-dir={temp_dir}"]
+           f"--temp-dir={temp_dir}", f"--min-worker-port={low}", f"--max-worker-port={low + 1999}"]
     if num_cpus is not None:
         cmd.append(f"--num-cpus={num_cpus}")
     with open(log_path, "wb") as log:
