@@ -61,11 +61,11 @@ class FloeTarget:
     rollout_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
 
 
-# torch.optim.AdamW keyword arguments `override_optimizer_config` may set: floe's optimizer key
-# (None: accepted only at the value that changes no number)
-_ADAMW_OVERRIDES: dict[str, str | None] = {"lr": "lr", "weight_decay": "weight_decay", "betas": "betas", "eps": "eps",
-                                           "amsgrad": None, "maximize": None}
-_ADAMW_IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")  # how, not what, AdamW computes
+# torch.optim.AdamW keyword arguments `override_optimizer_config` may set: floe's optimizer keys
+# of the same names; variants floe's AdamW lacks (accepted only false); how, not what, AdamW computes
+_ADAMW_MAPPED = ("lr", "weight_decay", "betas", "eps")
+_ADAMW_OFF = ("amsgrad", "maximize")
+_ADAMW_IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
 
 
 def _number(value: Any, key: str, positive: bool = False) -> float:
@@ -105,17 +105,16 @@ def _optimizer(optim: Mapping[str, Any]) -> dict[str, Any]:
         where = f"{OPTIM}.override_optimizer_config.{key}"
         if key in _ADAMW_IMPLEMENTATION:
             continue
-        if key not in _ADAMW_OVERRIDES:
-            raise InvalidInput(where, f"not a torch.optim.AdamW argument floe's optimizer takes "
-                                      f"({sorted(_ADAMW_OVERRIDES)} and {list(_ADAMW_IMPLEMENTATION)})")
-        floe_key = _ADAMW_OVERRIDES[key]
-        if floe_key is None:
+        if key in _ADAMW_OFF:
             if value:
                 raise InvalidInput(where, "floe's AdamW has no such variant; set it false")
+        elif key not in _ADAMW_MAPPED:
+            raise InvalidInput(where, f"not a torch.optim.AdamW argument floe's optimizer takes "
+                                      f"({sorted(_ADAMW_MAPPED + _ADAMW_OFF)} and {list(_ADAMW_IMPLEMENTATION)})")
         elif key == "betas":
             out["betas"] = _betas(value, where)
         else:
-            out[floe_key] = _number(value, where, positive=key in ("lr", "eps"))
+            out[key] = _number(value, where, positive=key in ("lr", "eps"))
     scheduler_type(optim)
     for key, lo in (("lr_warmup_steps", None), ("lr_warmup_steps_ratio", 0.0), ("min_lr_ratio", 0.0), ("num_cycles", 0.0)):
         value = optim.get(key)
