@@ -94,8 +94,9 @@ class TorchEngineConfig(StrictModel):
 
     name: Literal["torch"] = "torch"
     max_batch_sequences: int = Field(256, gt=0, description="rows decoded together")
-    dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="weights and compute dtype of the engine's model copy; auto = the policy model's dtype"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="weights and compute dtype of the engine's model copy; auto = the policy model's dtype; "
+        "float16 samples only (each sync casts the policy's weights; training stays bfloat16 or float32)"
     )
 
 
@@ -107,8 +108,9 @@ class VllmEngineConfig(StrictModel):
 
     name: Literal["vllm"] = "vllm"
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs one engine spans (vLLM's tensor parallelism)")
-    dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="weights and compute dtype; auto = the policy model's dtype"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="weights and compute dtype; auto = the policy model's dtype; float16 samples only "
+        "(each sync casts the policy's weights; training stays bfloat16 or float32)"
     )
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="fraction of GPU memory vLLM may use (weights + KV cache); GPU only"

@@ -1,7 +1,8 @@
 """A policy and a sampler engine of different precision, and what a failed sync leaves behind
 (issue 23, item 2).
 
-* fp32 policy + bf16 engine (and bf16 policy + fp32 engine): every sync casts the published
+* fp32 policy + bf16 engine (and bf16 policy + fp32 engine, and an fp16 engine, which
+  samples only: fp16 training is refused, FLOAT16_REFUSED): every sync casts the published
   tensors to the dtypes the engine holds, fingerprints the cast tensors and verifies them
   against what the engine holds; the sync succeeds, the engine holds exactly the policy's
   weights rounded to its dtype, and samples carry the new version. (Before: the first sync
@@ -36,7 +37,8 @@ def _train(client: floe.Client) -> None:
 PARAMS = floe.SamplingParams(max_tokens=4, seed=1)
 
 
-@pytest.mark.parametrize(("policy_dtype", "engine_dtype"), [("float32", "bfloat16"), ("bfloat16", "float32")])
+@pytest.mark.parametrize(("policy_dtype", "engine_dtype"), [("float32", "bfloat16"), ("bfloat16", "float32"),
+                                                          ("float32", "float16"), ("bfloat16", "float16")])
 def test_a_policy_and_an_engine_of_different_precision_sync_and_sample(make_client, policy_dtype, engine_dtype):
     client = make_client(dtype=policy_dtype, optimizer={"lr": 1e-2},
                          sampler={"engine": {"name": "torch", "dtype": engine_dtype}})
@@ -54,6 +56,12 @@ def test_a_policy_and_an_engine_of_different_precision_sync_and_sample(make_clie
         assert result.bytes == sum(t.numel() * t.element_size() for t in held.values())  # what moved: the cast copy
         out = client.sample([[10, 11]], n=2, params=PARAMS)
         assert out.weights_version == version
+        # the engine's log-probs are the policy's up to the engine's rounding (bf16: 8 bits of mantissa)
+        tokens = [s.tokens for s in out.groups[0].samples]
+        policy = client.forward([floe.Group([10, 11], [floe.Sample(t) for t in tokens])]).logprobs[0]
+        bound = 0.03 if "bfloat16" in (policy_dtype, engine_dtype) else 0.005  # measured: 6e-3 and 5e-4 at most
+        for got, want in zip([s.logprobs for s in out.groups[0].samples], policy):
+            assert max(abs(a - b) for a, b in zip(got, want)) < bound
     assert client.info().sampler_version == 2
 
 

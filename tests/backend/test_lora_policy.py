@@ -71,7 +71,10 @@ def test_loss_gradients_and_step_equal_a_peft_model(make_client, tiny_model):
     by_name = dict(zip(names, policy.params))
     assert len(policy.params) == len(theirs)  # the optimizer holds the adapter alone
     for k, p in theirs.items():
-        torch.testing.assert_close(by_name[k].grad, p.grad, rtol=1e-5, atol=1e-7)
+        # fp32 sums over the batch's tokens in another order (floe's packed rows, the reference's
+        # one sample at a time): within 1e-5 of the tensor's largest entry; an entry-wise 1e-7
+        # floor failed on an AMD EPYC by 1.4e-7 on an entry of 4e-3
+        torch.testing.assert_close(by_name[k].grad, p.grad, rtol=1e-5, atol=1e-5 * float(p.grad.abs().max()))
 
     opt = torch.optim.AdamW(list(theirs.values()), lr=OPT["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     opt.step()

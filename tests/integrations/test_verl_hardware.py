@@ -108,6 +108,7 @@ def test_on_the_cpu_everything_is_local_and_chunked_prefill_is_left_to_the_engin
         ({"actor_rollout_ref.actor.fsdp_config.dtype": "float32", "actor_rollout_ref.ref.fsdp_config.dtype": "fp32",
           "actor_rollout_ref.rollout.dtype": "float32"}, "dtype", "float32"),
         ({"actor_rollout_ref.rollout.dtype": "float32"}, "sampler.engine.dtype", "float32"),
+        ({"actor_rollout_ref.rollout.dtype": "fp16"}, "sampler.engine.dtype", "float16"),  # sampling only
         ({"actor_rollout_ref.model.enable_gradient_checkpointing": False}, "compute.gradient_checkpointing", False),
         ({"actor_rollout_ref.actor.use_dynamic_bsz": True, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 4096},
          "compute.max_tokens_per_microbatch", 4096),

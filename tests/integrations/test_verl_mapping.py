@@ -10,7 +10,7 @@ import pytest
 import floe
 import floe.compute.losses
 from floe.integrations.verl.backend_config import floe_target
-from floe.integrations.verl.local_server import to_toml
+from floe.integrations.verl.local_server import LocalServer, null_overrides, to_toml
 from floe.integrations.verl.loss_mapping import (
     IS_FOLD_EXACT,
     IS_FOLD_REFUSED,
@@ -446,6 +446,27 @@ def test_server_config_is_valid_toml():
     assert tomllib.loads(to_toml(table)) == {"backend": {"model": 'a "quoted" path', "num_threads": 1,
                                                          "optimizer": {"betas": [0.9, 0.99], "lr": 1e-3},
                                                          "reference": {"enabled": True}}}
+
+
+def test_a_none_in_the_plugins_server_config_reaches_the_server(tiny_model, tmp_path):
+    """TOML has no null: `+floe.backend.optimizer.grad_clip=null` (no clipping) left out of the
+    server's TOML would become the default clip of 1.0. It goes on the command line instead."""
+    target = floe_target({"trainer": {"device": "cpu"}, "actor_rollout_ref": {"model": {"path": str(tiny_model)},
+                                                                             "rollout": {"name": "floe"}},
+                          "floe": {"backend": {"optimizer": {"grad_clip": None}, "state_dir": str(tmp_path / "s")}}})
+    assert target.backend["optimizer"]["grad_clip"] is None
+    assert null_overrides({"backend": target.backend}) == ["--backend.optimizer.grad_clip", "null"]
+    server = LocalServer(target.backend)
+    try:
+        assert floe.connect(server.url, token=server.token).info().capabilities["optimizer"]["grad_clip"] is None
+    finally:
+        server.stop()
+
+
+def test_an_unknown_floe_backend_key_is_named_in_full():
+    with pytest.raises(floe.InvalidInput) as info:
+        floe_target({"actor_rollout_ref": {"model": {"path": "m"}}, "floe": {"backend": {"compute": {"bogus": 1}}}})
+    assert info.value.field == "floe.backend.compute.bogus"
 
 
 def test_warm_up_and_cosine_keys_are_accepted_and_leave_the_schedule_to_verls_scheduler():

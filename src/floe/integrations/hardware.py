@@ -25,12 +25,14 @@ VLLM_KEYS = ("gpu_memory_utilization", "enforce_eager", "max_num_seqs", "max_mod
              "max_num_batched_tokens")
 
 
-def floe_dtype(value: Any, key: str) -> str:
-    """"bfloat16" or "float32" for a framework's dtype name (bf16, fp32, ...); InvalidInput(key)
-    for float16 (FLOAT16_REFUSED) and for names that are no dtype."""
+def floe_dtype(value: Any, key: str, sampling: bool = False) -> str:
+    """floe's dtype name ("bfloat16", "float32"; with `sampling`, a sampler engine's, also
+    "float16") for a framework's dtype name (bf16, fp32, fp16, ...); InvalidInput(key) for names
+    that are no dtype and for float16 in training (FLOAT16_REFUSED)."""
     if value not in _DTYPES:
-        raise InvalidInput(key, f"unknown dtype {value!r}; floe trains in bfloat16 or float32")
-    if _DTYPES[value] == "float16":
+        raise InvalidInput(key, f"unknown dtype {value!r}; floe trains in bfloat16 or float32"
+                           + (" and samples in those or float16" if sampling else ""))
+    if _DTYPES[value] == "float16" and not sampling:
         raise InvalidInput(key, FLOAT16_REFUSED)
     return _DTYPES[value]
 

@@ -32,7 +32,7 @@ def test_no_gpu_and_no_split_trains_on_the_cpu_with_floes_defaults() -> None:
 def test_a_gpu_split_becomes_policy_ranks_and_vllm_replicas() -> None:
     raw = {"deployment": {"num_train_gpus": 2, "num_infer_gpus": 4},
            "inference": {"vllm": {"tensor_parallel_size": 2, "max_model_len": 4096, "gpu_memory_utilization": 0.8,
-                                  "dtype": "float32", "enforce_eager": True}}}
+                                  "dtype": "float16", "enforce_eager": True}}}
     config, notes = backend_of(raw, 8)
     assert config.device == "cuda" and config.dtype == "bfloat16" and notes == []
     p = config.placement
@@ -40,7 +40,7 @@ def test_a_gpu_split_becomes_policy_ranks_and_vllm_replicas() -> None:
     assert (p.policy.workers, p.policy.gpus, p.sampler.workers, p.sampler.gpus) == (2, 1, 2, 2)
     e = config.sampler.engine
     assert (e.name, e.tensor_parallel_size, e.max_model_len, e.gpu_memory_utilization, e.dtype, e.enforce_eager) == (
-        "vllm", 2, 4096, 0.8, "float32", True)
+        "vllm", 2, 4096, 0.8, "float16", True)  # float16 samples; training stays bf16
 
 
 def test_prime_rls_default_split_on_one_gpu_shares_it() -> None:
@@ -60,7 +60,7 @@ def test_prime_rls_default_split_on_one_gpu_shares_it() -> None:
      "inference.vllm.tensor_parallel_size"),
     ({"deployment": {"num_infer_gpus": 4}, "inference": {"vllm": {"data_parallel_size": 3}}}, 8,
      "inference.vllm.data_parallel_size"),
-    ({"inference": {"vllm": {"dtype": "float16"}}}, 2, "inference.vllm.dtype"),
+    ({"inference": {"vllm": {"dtype": "int8"}}}, 2, "inference.vllm.dtype"),
     ({"inference": {"router": {"type": "vllm-router"}}}, 0, "inference.router"),
     ({"inference": {"vllm": {"quantization": "fp8"}}}, 0, "inference.vllm.quantization"),
     ({"inference": {"vllm": {"enable_lora": True}}}, 0, "inference.vllm.enable_lora"),

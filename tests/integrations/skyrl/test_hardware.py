@@ -93,6 +93,7 @@ def test_floe_backend_device_cpu_is_a_local_cpu_backend():
     [
         ({"trainer.bf16": False, "generator.inference_engine.model_dtype": "float32"}, "dtype", "float32"),
         ({"trainer.bf16": False}, "sampler.engine.dtype", "bfloat16"),
+        ({"generator.inference_engine.model_dtype": "float16"}, "sampler.engine.dtype", "float16"),  # sampling only
         ({"trainer.policy.fsdp_config.mixed_precision": {"param_dtype": "fp32", "reduce_dtype": "fp32"},
           "generator.inference_engine.model_dtype": "fp32"}, "dtype", "float32"),
         ({"trainer.gradient_checkpointing": False}, "compute.gradient_checkpointing", False),
@@ -129,7 +130,6 @@ def test_each_key_takes_effect(changes, path, value):
         ({"trainer.policy.fsdp_config.mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "bf16"}},
          "trainer.policy.fsdp_config.mixed_precision.reduce_dtype"),
         ({"generator.inference_engine.backend": "sglang"}, "generator.inference_engine.backend"),
-        ({"generator.inference_engine.model_dtype": "float16"}, "generator.inference_engine.model_dtype"),
         ({"generator.inference_engine.num_engines": 3, "trainer.placement.policy_num_gpus_per_node": 4},
          "generator.inference_engine.num_engines"),
         ({"generator.inference_engine.pipeline_parallel_size": 2}, "generator.inference_engine.pipeline_parallel_size"),

@@ -10,7 +10,7 @@ does both jobs, so `prime_hardware` turns those keys into floe's placement and s
 | `deployment.num_train_gpus` = T, `num_infer_gpus` = I (defaults 1 and 1) | on a machine with >= T + I GPUs: Ray placement (started by floe serve), T policy ranks (FSDP2) of 1 GPU, I / tp sampler replicas of tp GPUs, not colocated (prime-rl keeps the two apart too); the reference in policy rank 0's actor. A recipe without `[deployment]` on a machine with one GPU: every zone on it (local); with none: the CPU |
 | `inference.vllm.tensor_parallel_size` = tp, `data_parallel_size` | `sampler.engine.tensor_parallel_size` = tp; the replicas are I / tp (prime-rl's own rule); a `data_parallel_size` other than I / tp is refused |
 | `inference.vllm.{gpu_memory_utilization, enforce_eager, max_model_len, enable_prefix_caching}` | the vLLM engine's keys of the same names (GPU runs: floe's vLLM engine, as prime-rl's `rl` serves with vLLM) |
-| `inference.vllm.dtype` (`auto`, `bfloat16`, `float32`) | `sampler.engine.dtype` (float16 refused, floe.config.FLOAT16_REFUSED) |
+| `inference.vllm.dtype` (`auto`, `bfloat16`, `float32`, `float16`) | `sampler.engine.dtype` (float16 samples; training stays bf16/fp32) |
 | one GPU, no `[deployment]` | every zone on it; vLLM's `gpu_memory_utilization` 0.4 unless the recipe sets it |
 | `inference.vllm.trust_remote_code` | `trust_remote_code` |
 | `inference.vllm.tool_call_parser`, `reasoning_parser`, `chat_template` | accepted, listed at start: they shape vLLM's chat route; prime-rl's training client renders and parses on the token route (`/inference/v1/generate`), which they do not touch, and floe serve's chat route refuses `tools` |
@@ -122,7 +122,7 @@ def prime_hardware(raw: Mapping[str, Any], cuda_gpus: int, overlay: Mapping[str,
         raise InvalidInput("inference.vllm.trust_remote_code", f"must be true or false, got {trust!r}")
     sampler_dtype = vllm.get("dtype", "auto")
     if sampler_dtype != "auto":
-        sampler_dtype = floe_dtype(sampler_dtype, "inference.vllm.dtype")
+        sampler_dtype = floe_dtype(sampler_dtype, "inference.vllm.dtype", sampling=True)
     notes = [f"inference.vllm.{k} (vLLM's chat route; prime-rl trains on the token route)" for k in CHAT_ROUTE_KEYS
              if k in vllm]
     compute = {"gradient_checkpointing": _checkpointing(model)}

@@ -154,7 +154,7 @@ def skyrl_hardware(trainer: Mapping[str, Any], generator: Mapping[str, Any], dev
     offload = any(bool((s.get("fsdp_config") or {}).get("cpu_offload", False)) for s in (policy, ref))
     placement = placement_for(GpuLayout(gpus, bool(placement_cfg.get("colocate_all", True)) or offload))
 
-    engine_dtype = floe_dtype(engine_cfg.get("model_dtype", "bfloat16"), f"{_ENGINE}.model_dtype")
+    engine_dtype = floe_dtype(engine_cfg.get("model_dtype", "bfloat16"), f"{_ENGINE}.model_dtype", sampling=True)
     engine = vllm_engine(engine_cfg, engine_dtype, dtype, on_gpu, placement["kind"] == "ray",
                          bool(engine_cfg.get("enable_chunked_prefill", True)))
 

@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from floe.config import BackendConfig, parse_config
 from floe.errors import InvalidInput
 from floe.integrations.hardware import with_overrides
 from floe.integrations.verl.hardware import VerlHardware, verl_hardware
@@ -178,4 +179,8 @@ def floe_target(config: Mapping[str, Any]) -> FloeTarget:
         raise InvalidInput("actor_rollout_ref.model.path", "must name the model the floe backend trains")
     backend: dict[str, Any] = {"model": model, "optimizer": _optimizer((aro.get("actor") or {}).get("optim") or {}),
                                **hardware.backend}
-    return FloeTarget(None, None, float(timeout), with_overrides(backend, overrides, "floe.backend"), hardware, chunk)
+    backend = with_overrides(backend, overrides, "floe.backend")
+    # checked here, so a bad floe.backend key is named in full before a server starts (the
+    # server would name it without the prefix, in its own log)
+    parse_config(BackendConfig, backend, where="floe.backend")
+    return FloeTarget(None, None, float(timeout), backend, hardware, chunk)

@@ -79,8 +79,8 @@ def _int(cfg: Mapping[str, Any], dotted: str, default: int, low: int) -> int:
     return value
 
 
-def _dtype(cfg: Mapping[str, Any], dotted: str, default: str) -> str:
-    return floe_dtype(_get(cfg, dotted, default), dotted)
+def _dtype(cfg: Mapping[str, Any], dotted: str, default: str, sampling: bool = False) -> str:
+    return floe_dtype(_get(cfg, dotted, default), dotted, sampling)
 
 
 def _flag(cfg: Mapping[str, Any], dotted: str, default: bool) -> bool:
@@ -192,7 +192,7 @@ def verl_hardware(cfg: Mapping[str, Any], device: str | None = None) -> VerlHard
     switching = any(offload) or _flag(cfg, f"{ROLLOUT}.free_cache_engine", True)
     placement = placement_for(GpuLayout(gpus, switching))
 
-    rollout_dtype = _dtype(cfg, f"{ROLLOUT}.dtype", "bfloat16")
+    rollout_dtype = _dtype(cfg, f"{ROLLOUT}.dtype", "bfloat16", sampling=True)
     if engine == "vllm":
         sampler_engine = vllm_engine(_get(cfg, ROLLOUT, {}), rollout_dtype, dtype, on_gpu, placement["kind"] == "ray",
                                      _flag(cfg, f"{ROLLOUT}.enable_chunked_prefill", True))

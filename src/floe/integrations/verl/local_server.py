@@ -43,13 +43,28 @@ def _toml_value(value: Any) -> str:
 
 
 def to_toml(table: Mapping[str, Any], prefix: str = "") -> str:
-    """Nested mappings of str/number/bool/list values as TOML tables (None values dropped)."""
+    """Nested mappings of str/number/bool/list values as TOML tables. TOML has no null: None
+    values are left out here and given by `null_overrides` on the command line instead."""
     plain = [f"{k} = {_toml_value(v)}" for k, v in table.items() if not isinstance(v, Mapping) and v is not None]
     out = ([f"[{prefix}]"] if prefix else []) + plain
     for k, v in table.items():
         if isinstance(v, Mapping):
             out.append(to_toml(v, f"{prefix}.{k}" if prefix else k))
     return "\n".join(out) + "\n"
+
+
+def null_overrides(table: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """`floe serve` flags that set each None value of the nested `table` (`--a.b null`): a None
+    left out of the TOML would become the field's default (`optimizer.grad_clip`: 1.0, where
+    None means no clipping)."""
+    flags: list[str] = []
+    for key, value in table.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if value is None:
+            flags += [f"--{dotted}", "null"]
+        elif isinstance(value, Mapping):
+            flags += null_overrides(value, dotted)
+    return flags
 
 
 def _free_port() -> int:
@@ -80,15 +95,16 @@ class LocalServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self._workdir = workdir = Path(tempfile.mkdtemp(prefix="floe-verl-"))
         config = workdir / "serve.toml"
-        config.write_text(to_toml({"backend": dict(backend), **({"server": dict(server)} if server else {})}))
+        tables = {"backend": dict(backend), **({"server": dict(server)} if server else {})}
+        config.write_text(to_toml(tables))
         self.log_path = Path(log_path) if log_path else workdir / "server.log"
         env = {**os.environ, "FLOE_TOKEN": self.token}
         # Only the thread that forks may own the parent-death signal (it fires when that thread ends).
         in_main = threading.current_thread() is threading.main_thread()
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - open for the process's lifetime
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "floe.server", str(config), "--host", "127.0.0.1", "--port", str(self.port),
-             "--log-level", "warning"],
+            [sys.executable, "-m", "floe.server", str(config), *null_overrides(tables), "--host", "127.0.0.1",
+             "--port", str(self.port), "--log-level", "warning"],
             stdout=self._log, stderr=subprocess.STDOUT, env=env,
             preexec_fn=_die_with_parent if in_main and sys.platform.startswith("linux") else None,  # noqa: PLW1509 - only prctl runs before exec
         )
