@@ -102,7 +102,7 @@ def test_deciding_a_start_writes_nothing_until_the_backend_answers(recipe, tmp_p
         (["--backend.sampler.engine.name", "vllm", "--backend.sampler.engine.dtyp", "auto"],
          "recipe.backend.sampler.engine.dtyp", "unknown key; allowed keys: "),
         (["--backend.sampler.engine.name", "vllm", "--backend.sampler.engine.dtype", "float8"],
-         "recipe.backend.sampler.engine.dtype", "Input should be 'auto', 'float32' or 'bfloat16'"),
+         "recipe.backend.sampler.engine.dtype", "Input should be 'auto', 'float32', 'bfloat16' or 'float16'"),
         (["--train.loss.clip_hgh", "0.3"], "recipe.train.loss.clip_hgh", "unknown key; allowed keys: "),
         (["--eval.samples_per_task", "3"], "recipe.eval.samples_per_task",
          ("3 episodes per task with greedy decoding are 3 identical answers (pass@k would be pass@1); "

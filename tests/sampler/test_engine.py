@@ -112,7 +112,7 @@ def test_vllm_engine_config_is_a_union_member():
     assert engine.enable_prefix_caching and not engine.enable_sleep_mode and engine.kv_cache_memory_gib is None
     cases = [
         ({"name": "vllm", "tensor_parallel_size": 0}, "config.sampler.engine.tensor_parallel_size"),
-        ({"name": "vllm", "dtype": "float16"}, "config.sampler.engine.dtype"),
+        ({"name": "vllm", "dtype": "float8"}, "config.sampler.engine.dtype"),
         ({"name": "vllm", "max_batch_sequences": 8}, "config.sampler.engine.max_batch_sequences"),
         ({"name": "vllm", "gpu_memory_utilization": 1.5}, "config.sampler.engine.gpu_memory_utilization"),
     ]
